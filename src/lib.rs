@@ -1,14 +1,16 @@
-pub fn add(left: u64, right: u64) -> u64 {
-    left + right
-}
+//! podvolume-agent: a Kubernetes node agent for file-system volume backups, compatible with
+//! Velero's `PodVolumeBackup`/`PodVolumeRestore` API.
+//!
+//! Data flows one way: an uploader runner spawns restic or kopia, a framer cuts its output into
+//! records, a parser turns records into typed events, a progress tracker keeps the latest
+//! [`progress::OperationProgress`], and consumers (the one-shot CLI, the status writer) read that
+//! value at their own pace.
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn it_works() {
-        let result = add(2, 2);
-        assert_eq!(result, 4);
-    }
-}
+pub mod error;
+pub mod facts;
+pub mod framing;
+pub mod operation;
+pub mod progress;
+pub mod runner;
+pub mod text;
+pub mod uploader;

@@ -1,0 +1,395 @@
+//! The operation progress model (Velero's `OperationProgress`) and the tracker that derives it
+//! from uploader samples while keeping its invariants.
+//!
+//! Invariants kept here, whatever the uploader prints: `n_completed` never decreases and never
+//! exceeds `n_total`; on success both equal the final size the uploader reported.
+
+use std::collections::VecDeque;
+use std::time::{Duration, Instant, SystemTime};
+
+use serde::{Deserialize, Serialize};
+
+use crate::text::{format_bytes, format_eta};
+pub use crate::uploader::Direction;
+use crate::uploader::ProgressSample;
+
+/// Progress of one operation, serialised with Velero's field names.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct OperationProgress {
+    pub completed: bool,
+    /// The operation's error, empty when none.
+    #[serde(default)]
+    pub err: String,
+    pub n_completed: u64,
+    pub n_total: u64,
+    pub operation_units: String,
+    pub description: String,
+    #[serde(with = "rfc3339")]
+    pub started: SystemTime,
+    #[serde(with = "rfc3339")]
+    pub updated: SystemTime,
+}
+
+impl OperationProgress {
+    pub fn new(started: SystemTime) -> Self {
+        Self {
+            completed: false,
+            err: String::new(),
+            n_completed: 0,
+            n_total: 0,
+            operation_units: "bytes".to_string(),
+            description: Stage::Connecting.label().to_string(),
+            started,
+            updated: started,
+        }
+    }
+
+    /// Percentage done, when a total is known.
+    pub fn percent(&self) -> Option<f64> {
+        (self.n_total > 0).then(|| self.n_completed as f64 * 100.0 / self.n_total as f64)
+    }
+}
+
+/// RFC 3339 timestamps as Go's `time.Time` marshals them (UTC, `Z`).
+mod rfc3339 {
+    use std::time::SystemTime;
+
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(t: &SystemTime, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(&humantime::format_rfc3339_millis(*t))
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<SystemTime, D::Error> {
+        let s = String::deserialize(d)?;
+        humantime::parse_rfc3339_weak(&s).map_err(serde::de::Error::custom)
+    }
+}
+
+/// What the operation is doing now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stage {
+    /// Started, nothing heard from the uploader yet (opening the repository, loading the index).
+    Connecting,
+    /// Walking the source; the total is still growing.
+    Scanning,
+    Uploading,
+    Restoring,
+    /// All bytes processed, the uploader is writing its index and snapshot (or flushing a restore).
+    Finalizing,
+    Done,
+}
+
+impl Stage {
+    pub fn label(self) -> &'static str {
+        match self {
+            Stage::Connecting => "connecting",
+            Stage::Scanning => "scanning",
+            Stage::Uploading => "uploading",
+            Stage::Restoring => "restoring",
+            Stage::Finalizing => "finalizing",
+            Stage::Done => "done",
+        }
+    }
+}
+
+/// How far back the transfer rate looks: long enough to smooth bursts, short enough to follow a
+/// changing link.
+pub const RATE_WINDOW: Duration = Duration::from_secs(30);
+/// An ETA is shown only after this much history, so that it is not a wild first guess.
+const MIN_ETA_SPAN: Duration = Duration::from_secs(2);
+const MAX_RATE_SAMPLES: usize = 256;
+
+/// Folds uploader samples into an [`OperationProgress`].
+#[derive(Debug, Clone)]
+pub struct ProgressTracker {
+    direction: Direction,
+    progress: OperationProgress,
+    stage: Stage,
+    scan_finished: bool,
+    /// (when, n_completed) over the last [`RATE_WINDOW`].
+    samples: VecDeque<(Instant, u64)>,
+    rate: Option<f64>,
+}
+
+impl ProgressTracker {
+    pub fn new(direction: Direction, started: SystemTime) -> Self {
+        Self {
+            direction,
+            progress: OperationProgress::new(started),
+            stage: Stage::Connecting,
+            scan_finished: false,
+            samples: VecDeque::new(),
+            rate: None,
+        }
+    }
+
+    pub fn progress(&self) -> &OperationProgress {
+        &self.progress
+    }
+
+    pub fn stage(&self) -> Stage {
+        self.stage
+    }
+
+    /// Bytes per second over the recent window.
+    pub fn rate(&self) -> Option<f64> {
+        self.rate
+    }
+
+    /// A total known in advance (restore: the snapshot size from `restic stats`).
+    pub fn set_total(&mut self, total: u64) {
+        self.progress.n_total = self.progress.n_total.max(total);
+        self.scan_finished = true;
+    }
+
+    /// The uploader finished its scan: the total is final from now on.
+    pub fn scan_finished(&mut self, total_bytes: Option<u64>, now: Instant, wall: SystemTime) {
+        self.scan_finished = true;
+        if let Some(t) = total_bytes {
+            self.progress.n_total = self.progress.n_total.max(t);
+        }
+        self.refresh(now, wall);
+    }
+
+    /// Applies one sample. Returns whether the published value changed.
+    pub fn observe(&mut self, sample: &ProgressSample, now: Instant, wall: SystemTime) -> bool {
+        let before = (self.progress.n_completed, self.progress.n_total, self.stage);
+        if sample.scan_finished {
+            self.scan_finished = true;
+        }
+        // Totals only grow: the scan discovers more, it never un-discovers.
+        let total = sample.total_bytes.unwrap_or(0).max(self.progress.n_total);
+        let done = sample.bytes_done.max(self.progress.n_completed);
+        // The archiver may run ahead of the scanner; until the scan catches up, the honest
+        // statement is "at least this much of at least that much", so done is clamped to total
+        // and the total grows with it.
+        let total = if sample.total_bytes.is_none() || !self.scan_finished {
+            total.max(done)
+        } else {
+            total
+        };
+        self.progress.n_total = total;
+        self.progress.n_completed = done.min(total);
+        self.push_rate_sample(now);
+        self.refresh(now, wall);
+        before != (self.progress.n_completed, self.progress.n_total, self.stage)
+    }
+
+    fn push_rate_sample(&mut self, now: Instant) {
+        self.samples.push_back((now, self.progress.n_completed));
+        while let Some(&(t, _)) = self.samples.front() {
+            if now.duration_since(t) > RATE_WINDOW || self.samples.len() > MAX_RATE_SAMPLES {
+                self.samples.pop_front();
+            } else {
+                break;
+            }
+        }
+        self.rate = match (self.samples.front(), self.samples.back()) {
+            (Some(&(t0, b0)), Some(&(t1, b1)))
+                if t1.duration_since(t0) >= Duration::from_millis(500) =>
+            {
+                Some((b1 - b0) as f64 / t1.duration_since(t0).as_secs_f64())
+            }
+            _ => None,
+        };
+    }
+
+    fn window_span(&self) -> Duration {
+        match (self.samples.front(), self.samples.back()) {
+            (Some(&(t0, _)), Some(&(t1, _))) => t1.duration_since(t0),
+            _ => Duration::ZERO,
+        }
+    }
+
+    /// Seconds left, once the total is final and the rate has some history.
+    pub fn eta(&self) -> Option<u64> {
+        let rate = self.rate?;
+        if !self.scan_finished || rate < 1.0 || self.window_span() < MIN_ETA_SPAN {
+            return None;
+        }
+        let left = self
+            .progress
+            .n_total
+            .saturating_sub(self.progress.n_completed);
+        (left > 0).then(|| (left as f64 / rate).ceil() as u64)
+    }
+
+    fn refresh(&mut self, _now: Instant, wall: SystemTime) {
+        let p = &self.progress;
+        self.stage = if self.scan_finished && p.n_total > 0 && p.n_completed >= p.n_total {
+            Stage::Finalizing
+        } else if !self.scan_finished {
+            Stage::Scanning
+        } else {
+            match self.direction {
+                Direction::Backup => Stage::Uploading,
+                Direction::Restore => Stage::Restoring,
+            }
+        };
+        self.progress.updated = wall;
+        self.progress.description = self.describe();
+    }
+
+    fn describe(&self) -> String {
+        let p = &self.progress;
+        let rate = self
+            .rate
+            .map(|r| format!(", {}/s", format_bytes(r as u64)))
+            .unwrap_or_default();
+        match self.stage {
+            Stage::Connecting => "connecting".to_string(),
+            Stage::Scanning => format!(
+                "scanning: {} processed of at least {} found so far{rate}",
+                format_bytes(p.n_completed),
+                format_bytes(p.n_total)
+            ),
+            Stage::Uploading | Stage::Restoring => {
+                let pct = p
+                    .percent()
+                    .map(|x| format!(" ({x:.1}%)"))
+                    .unwrap_or_default();
+                let eta = self
+                    .eta()
+                    .map(|s| format!(", ETA {}", format_eta(s)))
+                    .unwrap_or_default();
+                format!(
+                    "{}: {} of {}{pct}{rate}{eta}",
+                    self.stage.label(),
+                    format_bytes(p.n_completed),
+                    format_bytes(p.n_total)
+                )
+            }
+            Stage::Finalizing => format!(
+                "finalizing: {} processed, {}",
+                format_bytes(p.n_completed),
+                match self.direction {
+                    Direction::Backup => "saving the snapshot",
+                    Direction::Restore => "writing the last files",
+                }
+            ),
+            Stage::Done => p.description.clone(),
+        }
+    }
+
+    /// Ends the operation. On success both counters become the final size; otherwise they keep
+    /// what was reached and `err` carries the cause.
+    pub fn finish(
+        &mut self,
+        success_size: Option<u64>,
+        err: Option<String>,
+        description: String,
+        wall: SystemTime,
+    ) {
+        if let Some(size) = success_size {
+            self.progress.n_total = size;
+            self.progress.n_completed = size;
+        }
+        self.stage = Stage::Done;
+        self.progress.completed = true;
+        self.progress.err = err.unwrap_or_default();
+        self.progress.description = description;
+        self.progress.updated = wall;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample(done: u64, total: Option<u64>, scanned: bool) -> ProgressSample {
+        ProgressSample {
+            bytes_done: done,
+            total_bytes: total,
+            scan_finished: scanned,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn completed_never_decreases_nor_exceeds_total() {
+        let t0 = Instant::now();
+        let w = SystemTime::now();
+        let mut tr = ProgressTracker::new(Direction::Backup, w);
+        let seq = [
+            sample(10, Some(100), false),
+            sample(5, Some(90), false), // restic went backwards: ignored
+            sample(150, Some(120), false), // archiver ahead of scanner
+            sample(160, Some(500), true),
+            sample(100, Some(500), true),
+            sample(900, Some(500), true), // over the final total: clamped
+        ];
+        let mut last = (0, 0);
+        for (i, s) in seq.iter().enumerate() {
+            tr.observe(s, t0 + Duration::from_secs(i as u64), w);
+            let p = tr.progress();
+            assert!(p.n_completed >= last.0, "decreased at {i}");
+            assert!(p.n_completed <= p.n_total, "exceeds total at {i}");
+            last = (p.n_completed, p.n_total);
+        }
+        assert_eq!(last, (500, 500));
+        assert_eq!(tr.stage(), Stage::Finalizing);
+        tr.finish(Some(480), None, "done".into(), w);
+        assert_eq!(
+            (tr.progress().n_completed, tr.progress().n_total),
+            (480, 480)
+        );
+        assert!(tr.progress().completed);
+    }
+
+    #[test]
+    fn stages_and_eta_appear_when_meaningful() {
+        let t0 = Instant::now();
+        let w = SystemTime::now();
+        let mut tr = ProgressTracker::new(Direction::Backup, w);
+        assert_eq!(tr.progress().description, "connecting");
+        tr.observe(&sample(0, Some(1 << 20), false), t0, w);
+        assert_eq!(tr.stage(), Stage::Scanning);
+        assert!(tr.progress().description.starts_with("scanning"));
+        assert_eq!(tr.eta(), None);
+        tr.observe(
+            &sample(1 << 20, Some(10 << 20), true),
+            t0 + Duration::from_secs(1),
+            w,
+        );
+        tr.observe(
+            &sample(2 << 20, Some(10 << 20), true),
+            t0 + Duration::from_secs(2),
+            w,
+        );
+        tr.observe(
+            &sample(3 << 20, Some(10 << 20), true),
+            t0 + Duration::from_secs(3),
+            w,
+        );
+        assert_eq!(tr.stage(), Stage::Uploading);
+        // 3 MiB over 3 s = 1 MiB/s; 7 MiB left -> 7 s.
+        assert_eq!(tr.eta(), Some(7));
+        let d = &tr.progress().description;
+        assert!(d.contains("uploading: 3.0 MiB of 10.0 MiB (30.0%)"), "{d}");
+        assert!(d.contains("1.0 MiB/s") && d.contains("ETA 7s"), "{d}");
+    }
+
+    #[test]
+    fn serialises_with_velero_names() {
+        let w = SystemTime::UNIX_EPOCH + Duration::from_secs(1_700_000_000);
+        let p = OperationProgress::new(w);
+        let v = serde_json::to_value(&p).unwrap();
+        for key in [
+            "completed",
+            "err",
+            "nCompleted",
+            "nTotal",
+            "operationUnits",
+            "description",
+            "started",
+            "updated",
+        ] {
+            assert!(v.get(key).is_some(), "missing {key}");
+        }
+        assert_eq!(v["started"], "2023-11-14T22:13:20.000Z");
+        let back: OperationProgress = serde_json::from_value(v).unwrap();
+        assert_eq!(back, p);
+    }
+}

@@ -1,0 +1,98 @@
+//! Small text helpers shared by parsers, descriptions and the CLI.
+
+/// Removes ANSI escape sequences (CSI `ESC [ ... final`, and two-byte `ESC x`). restic writes
+/// `ESC[2K` before some messages even into a pipe, which would defeat text matching.
+pub fn strip_ansi(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    let mut chars = s.chars().peekable();
+    while let Some(c) = chars.next() {
+        if c != '\u{1b}' {
+            out.push(c);
+            continue;
+        }
+        match chars.peek() {
+            Some('[') => {
+                chars.next();
+                // Parameters and intermediates, then one final byte in 0x40..=0x7e.
+                for c in chars.by_ref() {
+                    if ('\u{40}'..='\u{7e}').contains(&c) {
+                        break;
+                    }
+                }
+            }
+            Some(_) => {
+                chars.next();
+            }
+            None => {}
+        }
+    }
+    out
+}
+
+/// Lossy UTF-8 of a record, ANSI stripped and trimmed of surrounding whitespace.
+pub fn clean_line(bytes: &[u8]) -> String {
+    let s = String::from_utf8_lossy(bytes);
+    strip_ansi(&s).trim().to_string()
+}
+
+/// Human byte count in binary units, e.g. `1.5 GiB`.
+pub fn format_bytes(n: u64) -> String {
+    const UNITS: [&str; 6] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
+    if n < 1024 {
+        return format!("{n} B");
+    }
+    let mut v = n as f64;
+    let mut unit = 0;
+    while v >= 1024.0 && unit < UNITS.len() - 1 {
+        v /= 1024.0;
+        unit += 1;
+    }
+    format!("{v:.1} {}", UNITS[unit])
+}
+
+/// Short duration for ETAs: `45s`, `3m 20s`, `2h 5m`.
+pub fn format_eta(secs: u64) -> String {
+    match secs {
+        s if s < 60 => format!("{s}s"),
+        s if s < 3600 => format!("{}m {}s", s / 60, s % 60),
+        s => format!("{}h {}m", s / 3600, (s % 3600) / 60),
+    }
+}
+
+/// Truncates to at most `max` bytes on a char boundary, marking the cut.
+pub fn truncate(s: &str, max: usize) -> String {
+    if s.len() <= max {
+        return s.to_string();
+    }
+    let mut end = max;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}…", &s[..end])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn strips_erase_line_and_colours() {
+        assert_eq!(
+            strip_ansi("\u{1b}[2Ksignal interrupt received, cleaning up"),
+            "signal interrupt received, cleaning up"
+        );
+        assert_eq!(strip_ansi("\u{1b}[1;31mred\u{1b}[0m"), "red");
+        assert_eq!(strip_ansi("trailing \u{1b}"), "trailing ");
+    }
+
+    #[test]
+    fn formats() {
+        assert_eq!(format_bytes(0), "0 B");
+        assert_eq!(format_bytes(1536), "1.5 KiB");
+        assert_eq!(format_bytes(3 * 1024 * 1024 * 1024), "3.0 GiB");
+        assert_eq!(format_eta(59), "59s");
+        assert_eq!(format_eta(200), "3m 20s");
+        assert_eq!(format_eta(7500), "2h 5m");
+        assert_eq!(truncate("héllo", 2), "h…");
+    }
+}

@@ -1,0 +1,1 @@
+//! kopia through its CLI (being written).

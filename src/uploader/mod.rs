@@ -1,0 +1,252 @@
+//! Uploaders (restic, kopia): how to run them and what their output means.
+//!
+//! Each uploader module turns frames of the child's output into [`UploaderEvent`]s, which are the
+//! only thing the rest of the engine sees. Nothing here knows about Kubernetes.
+
+pub mod kopia;
+pub mod restic;
+
+use std::fmt;
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+/// Which uploader program moves the data.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum UploaderKind {
+    Restic,
+    Kopia,
+}
+
+impl fmt::Display for UploaderKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            UploaderKind::Restic => "restic",
+            UploaderKind::Kopia => "kopia",
+        })
+    }
+}
+
+impl std::str::FromStr for UploaderKind {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "restic" => Ok(UploaderKind::Restic),
+            "kopia" => Ok(UploaderKind::Kopia),
+            other => Err(format!(
+                "unknown uploader {other:?} (expected restic or kopia)"
+            )),
+        }
+    }
+}
+
+/// Which way data moves. The same message types carry different counters in each direction.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Direction {
+    Backup,
+    Restore,
+}
+
+/// Which stream a frame came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stream {
+    Stdout,
+    Stderr,
+}
+
+/// A progress sample as the uploader reported it. Totals may be unknown or still growing.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ProgressSample {
+    pub bytes_done: u64,
+    /// `None` when the uploader did not say (restic `--stdin`, kopia before its estimate).
+    pub total_bytes: Option<u64>,
+    pub files_done: u64,
+    pub total_files: Option<u64>,
+    /// The uploader has finished walking the source, so `total_bytes` is final.
+    pub scan_finished: bool,
+}
+
+/// The uploader's final report of a finished snapshot or restore.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RunSummary {
+    /// Absent for restores, for kopia's canceled snapshot and for restic's skipped snapshots.
+    pub snapshot_id: Option<String>,
+    /// Bytes of the source (backup) or of the snapshot (restore): the final size.
+    pub total_bytes: u64,
+    pub total_files: u64,
+    /// New data the uploader had to store (backup only).
+    pub bytes_added: u64,
+    /// Entries that could not be read (kopia's `numFailed`).
+    pub failed_items: u64,
+    /// kopia's `incomplete` reason (`canceled`, `checkpoint`, `limit reached`).
+    pub incomplete: Option<String>,
+}
+
+/// One thing the uploader said, in the engine's terms.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum UploaderEvent {
+    Progress(ProgressSample),
+    /// The uploader finished the scan and knows the total (restic `scan_finished`).
+    ScanFinished {
+        total_bytes: Option<u64>,
+        total_files: Option<u64>,
+    },
+    /// An item (file, directory) could not be processed; the run goes on.
+    ItemError {
+        item: String,
+        message: String,
+    },
+    Summary(RunSummary),
+    /// A fatal message: restic's `Fatal:` lines and `exit_error`, kopia's `ERROR` lines.
+    Fatal(String),
+    /// A human text line worth keeping in the diagnostic tail.
+    Text(String),
+    /// A record that looked like a message but could not be decoded (kept for diagnostics).
+    Malformed(String),
+    /// A record over the framing cap was dropped.
+    Truncated {
+        len: u64,
+    },
+    /// Nothing of interest (unknown message types, blank status).
+    Ignored,
+}
+
+/// How a run ended, in the terms an operator acts on.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase", tag = "kind")]
+pub enum OutcomeKind {
+    /// Everything was transferred.
+    Success,
+    /// restic exit 3 / kopia with failed entries: a snapshot was saved but some items were unreadable.
+    Partial,
+    RepositoryMissing,
+    WrongPassword,
+    Locked,
+    /// The uploader stopped because it was interrupted (SIGINT) without us asking.
+    Interrupted,
+    /// The uploader died from a signal.
+    KilledBySignal {
+        signal: i32,
+    },
+    /// Stopped on request.
+    Canceled,
+    /// The uploader's data source or target does not exist.
+    SourceMissing,
+    Failed,
+}
+
+impl OutcomeKind {
+    pub fn is_success(&self) -> bool {
+        matches!(self, OutcomeKind::Success)
+    }
+}
+
+/// The classified end of a run, with the real cause for people to read.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Outcome {
+    pub kind: OutcomeKind,
+    /// The uploader's own words (ANSI stripped), or ours where it said nothing.
+    pub message: String,
+    pub exit_code: Option<i32>,
+    pub snapshot_id: Option<String>,
+    pub summary: Option<RunSummaryView>,
+    /// Number of unreadable items and the first few of them.
+    pub failed_items: u64,
+    pub first_failed_items: Vec<FailedItem>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct FailedItem {
+    pub item: String,
+    pub message: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct RunSummaryView {
+    pub total_bytes: u64,
+    pub total_files: u64,
+    pub bytes_added: u64,
+}
+
+impl From<&RunSummary> for RunSummaryView {
+    fn from(s: &RunSummary) -> Self {
+        Self {
+            total_bytes: s.total_bytes,
+            total_files: s.total_files,
+            bytes_added: s.bytes_added,
+        }
+    }
+}
+
+/// How a child process ended, independent of tokio's types so classification is testable.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ExitInfo {
+    pub code: Option<i32>,
+    pub signal: Option<i32>,
+}
+
+impl ExitInfo {
+    pub fn code(code: i32) -> Self {
+        Self {
+            code: Some(code),
+            signal: None,
+        }
+    }
+    pub fn from_status(status: std::process::ExitStatus) -> Self {
+        use std::os::unix::process::ExitStatusExt;
+        Self {
+            code: status.code(),
+            signal: status.signal(),
+        }
+    }
+}
+
+impl fmt::Display for ExitInfo {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match (self.code, self.signal) {
+            (Some(c), _) => write!(f, "exit code {c}"),
+            (None, Some(s)) => write!(f, "signal {s}"),
+            (None, None) => f.write_str("unknown exit"),
+        }
+    }
+}
+
+/// What a run needs to know about the repository and its secrets. Secrets are referenced by file,
+/// never held in argv.
+#[derive(Debug, Clone)]
+pub struct RepositoryAccess {
+    /// restic: the repository URL or path; kopia: a filesystem path or a kopia config file.
+    pub repository: String,
+    pub password_file: PathBuf,
+    /// Private cache (restic `--cache-dir`, kopia cache/log dirs).
+    pub cache_dir: PathBuf,
+    /// Extra environment for the backend (cloud credentials files and the like).
+    pub extra_env: Vec<(String, String)>,
+}
+
+impl Outcome {
+    /// An outcome that did not come from the uploader (the agent itself failed).
+    pub fn internal(message: impl Into<String>) -> Self {
+        Self {
+            kind: OutcomeKind::Failed,
+            message: message.into(),
+            exit_code: None,
+            snapshot_id: None,
+            summary: None,
+            failed_items: 0,
+            first_failed_items: Vec::new(),
+        }
+    }
+
+    pub fn canceled(message: impl Into<String>) -> Self {
+        Self {
+            kind: OutcomeKind::Canceled,
+            ..Self::internal(message)
+        }
+    }
+}

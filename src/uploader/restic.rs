@@ -1,0 +1,580 @@
+//! restic: argv/env for each command, the `--json` message parser, and outcome classification.
+//!
+//! Facts this follows (see the project's reference on uploader output): JSON lines on stdout, JSON
+//! `error` objects and plain text on stderr, zero fields omitted, unknown types and fields appear
+//! across versions, exit codes that grew over versions (0.14 reports most failures as exit 1 with
+//! a `Fatal:` text, which is why classification also reads the text).
+
+use std::ffi::OsString;
+use std::fmt;
+use std::path::Path;
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use super::{
+    Direction, ExitInfo, FailedItem, Outcome, OutcomeKind, ProgressSample, RepositoryAccess,
+    RunSummary, RunSummaryView, UploaderEvent,
+};
+use crate::facts::RunFacts;
+use crate::text::clean_line;
+
+/// A restic release, compared to gate version-specific behaviour.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct ResticVersion {
+    pub major: u32,
+    pub minor: u32,
+    pub patch: u32,
+}
+
+impl ResticVersion {
+    pub const fn new(major: u32, minor: u32, patch: u32) -> Self {
+        Self {
+            major,
+            minor,
+            patch,
+        }
+    }
+
+    /// `restore --json` with progress, and `--retry-lock`.
+    pub fn has_restore_json(&self) -> bool {
+        *self >= Self::new(0, 16, 0)
+    }
+    pub fn has_retry_lock(&self) -> bool {
+        *self >= Self::new(0, 16, 0)
+    }
+    /// SIGTERM is handled like SIGINT (earlier versions die and leave a lock).
+    pub fn handles_sigterm(&self) -> bool {
+        *self >= Self::new(0, 17, 0)
+    }
+
+    /// Parses `restic version` output: text (`restic 0.14.0 compiled with ...`) or the JSON of
+    /// `restic version --json` (>= 0.17).
+    pub fn parse(output: &str) -> Option<Self> {
+        let trimmed = output.trim();
+        let version_str = if trimmed.starts_with('{') {
+            #[derive(Deserialize)]
+            struct V {
+                version: String,
+            }
+            serde_json::from_str::<V>(trimmed).ok()?.version
+        } else {
+            trimmed
+                .split_whitespace()
+                .skip_while(|w| *w != "restic")
+                .nth(1)?
+                .to_string()
+        };
+        let core = version_str.trim_start_matches('v');
+        let core = core.split(['-', '+', ' ']).next()?;
+        let mut parts = core.split('.').map(|p| p.parse::<u32>());
+        let major = parts.next()?.ok()?;
+        let minor = parts.next()?.ok()?;
+        let patch = parts.next().and_then(|p| p.ok()).unwrap_or(0);
+        Some(Self::new(major, minor, patch))
+    }
+}
+
+impl fmt::Display for ResticVersion {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}.{}.{}", self.major, self.minor, self.patch)
+    }
+}
+
+/// Variables that would override the password file or point restic elsewhere; removed from the
+/// child's environment so the values we pass are the ones restic uses.
+pub const SCRUBBED_ENV: &[&str] = &[
+    "RESTIC_PASSWORD",
+    "RESTIC_PASSWORD_COMMAND",
+    "RESTIC_PASSWORD_FILE",
+    "RESTIC_REPOSITORY",
+    "RESTIC_REPOSITORY_FILE",
+    "RESTIC_CACHE_DIR",
+    "RESTIC_PROGRESS_FPS",
+];
+
+/// A restic invocation: argv (without the program) and environment. The repository goes through
+/// `RESTIC_REPOSITORY` rather than argv because URLs may embed credentials, and argv is visible to
+/// every user of the node in `ps`.
+#[derive(Debug, Clone, Default)]
+pub struct ResticInvocation {
+    pub args: Vec<OsString>,
+    pub env: Vec<(OsString, OsString)>,
+}
+
+/// What to pass to `restic backup`.
+#[derive(Debug, Clone, Default)]
+pub struct BackupOptions {
+    pub host: String,
+    pub tags: Vec<(String, String)>,
+    pub parent: Option<String>,
+    /// KiB/s, for tests and throttled environments.
+    pub limit_upload_kib: Option<u64>,
+    /// How long to wait for a lock held by someone else (restic >= 0.16 only).
+    pub retry_lock: Option<Duration>,
+    pub verbose: bool,
+}
+
+/// restic's printing rate for status lines. Two samples per update interval keep the published
+/// value at most half an interval older than what restic knew, at a fraction of the default 60/s.
+pub fn progress_fps(update_interval: Duration) -> String {
+    let secs = update_interval.as_secs_f64().max(0.001);
+    let fps = (2.0 / secs).clamp(0.01, 60.0);
+    // restic parses this with strconv.ParseFloat; keep it short and plain.
+    let s = format!("{fps:.3}");
+    s.trim_end_matches('0').trim_end_matches('.').to_string()
+}
+
+fn base(access: &RepositoryAccess, update_interval: Option<Duration>) -> ResticInvocation {
+    let mut env: Vec<(OsString, OsString)> = vec![
+        ("RESTIC_REPOSITORY".into(), access.repository.clone().into()),
+        (
+            "RESTIC_PASSWORD_FILE".into(),
+            access.password_file.clone().into_os_string(),
+        ),
+    ];
+    if let Some(interval) = update_interval {
+        env.push(("RESTIC_PROGRESS_FPS".into(), progress_fps(interval).into()));
+    }
+    for (k, v) in &access.extra_env {
+        env.push((k.into(), v.into()));
+    }
+    ResticInvocation {
+        args: vec![
+            "--cache-dir".into(),
+            access.cache_dir.clone().into_os_string(),
+        ],
+        env,
+    }
+}
+
+impl ResticInvocation {
+    fn arg(mut self, a: impl Into<OsString>) -> Self {
+        self.args.push(a.into());
+        self
+    }
+}
+
+/// `restic backup --json ... .` to run with the volume as working directory, so the snapshot's
+/// tree is relative to the volume (as Velero ran it) and restores into another volume land in place.
+pub fn backup(
+    access: &RepositoryAccess,
+    version: ResticVersion,
+    opts: &BackupOptions,
+    update_interval: Duration,
+) -> ResticInvocation {
+    let mut inv = base(access, Some(update_interval))
+        .arg("backup")
+        .arg("--json");
+    inv = inv.arg(format!("--host={}", opts.host));
+    for (k, v) in &opts.tags {
+        inv = inv.arg(format!("--tag={k}={v}"));
+    }
+    if let Some(parent) = &opts.parent {
+        inv = inv.arg(format!("--parent={parent}"));
+    }
+    if let Some(kib) = opts.limit_upload_kib {
+        inv = inv.arg(format!("--limit-upload={kib}"));
+    }
+    if let (Some(wait), true) = (opts.retry_lock, version.has_retry_lock()) {
+        inv = inv.arg(format!("--retry-lock={}s", wait.as_secs().max(1)));
+    }
+    if opts.verbose {
+        inv = inv.arg("-v");
+    }
+    inv.arg(".")
+}
+
+/// `restic restore <id> --target .`, run inside the target directory. `--json` only where restic
+/// prints progress for restores (>= 0.16); earlier versions are measured from the target's size.
+pub fn restore(
+    access: &RepositoryAccess,
+    version: ResticVersion,
+    snapshot_id: &str,
+    update_interval: Duration,
+) -> ResticInvocation {
+    let mut inv = base(access, Some(update_interval))
+        .arg("restore")
+        .arg(snapshot_id)
+        .arg("--target=.");
+    if version.has_restore_json() {
+        inv = inv.arg("--json");
+    }
+    inv
+}
+
+/// `restic stats <id> --json`: the restore size of a snapshot, for restore totals on 0.14/0.15.
+pub fn stats(access: &RepositoryAccess, snapshot_id: &str) -> ResticInvocation {
+    base(access, None)
+        .arg("stats")
+        .arg(snapshot_id)
+        .arg("--json")
+}
+
+pub fn init(access: &RepositoryAccess) -> ResticInvocation {
+    base(access, None).arg("init")
+}
+
+/// Removes stale locks: those older than 30 min or left by a dead process of this host.
+pub fn unlock(access: &RepositoryAccess) -> ResticInvocation {
+    base(access, None).arg("unlock")
+}
+
+/// Cheapest probe of whether a repository exists and the password opens it.
+pub fn cat_config(access: &RepositoryAccess) -> ResticInvocation {
+    base(access, None).arg("cat").arg("config")
+}
+
+pub fn list_locks(access: &RepositoryAccess) -> ResticInvocation {
+    base(access, None).arg("list").arg("locks").arg("--no-lock")
+}
+
+/// Parses the document printed by `restic stats --json`.
+pub fn parse_stats(doc: &[u8]) -> Option<(u64, u64)> {
+    #[derive(Deserialize)]
+    struct Stats {
+        #[serde(default)]
+        total_size: u64,
+        #[serde(default)]
+        total_file_count: u64,
+    }
+    let s: Stats = serde_json::from_slice(trim_ascii(doc)).ok()?;
+    Some((s.total_size, s.total_file_count))
+}
+
+fn trim_ascii(b: &[u8]) -> &[u8] {
+    b.trim_ascii()
+}
+
+#[derive(Deserialize)]
+#[serde(tag = "message_type", rename_all = "snake_case")]
+enum Message {
+    Status(Status),
+    VerboseStatus(VerboseStatus),
+    Summary(Summary),
+    Error(ErrorMessage),
+    ExitError(ExitError),
+    #[serde(other)]
+    Unknown,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(default)]
+struct Status {
+    // Backup counters.
+    total_files: u64,
+    files_done: u64,
+    total_bytes: Option<u64>,
+    bytes_done: u64,
+    seconds_remaining: Option<u64>,
+    // Restore counters (>= 0.16).
+    files_restored: u64,
+    bytes_restored: u64,
+    files_skipped: u64,
+    bytes_skipped: u64,
+    // restic <= 0.15 types `scan_finished` as a status carrying `action`.
+    action: Option<String>,
+    // Unknown fields, `current_files` among them (long, useless to us), are skipped by serde
+    // without allocating.
+}
+
+#[derive(Deserialize, Default)]
+#[serde(default)]
+struct VerboseStatus {
+    action: String,
+    total_files: Option<u64>,
+    total_bytes: Option<u64>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(default)]
+struct Summary {
+    // Backup.
+    data_added: u64,
+    total_files_processed: u64,
+    total_bytes_processed: u64,
+    snapshot_id: Option<String>,
+    // Restore (>= 0.16).
+    total_files: u64,
+    files_restored: u64,
+    files_skipped: u64,
+    total_bytes: u64,
+    bytes_restored: u64,
+    bytes_skipped: u64,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(default)]
+struct ErrorMessage {
+    error: serde_json::Value,
+    during: String,
+    item: String,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(default)]
+struct ExitError {
+    code: i64,
+    message: String,
+}
+
+/// Turns restic's error payload into words. It was the Go error marshalled as JSON up to 0.17.0
+/// (often `{}` or `{"Op":"open","Path":...,"Err":13}`) and `{"message": ...}` since 0.17.1.
+fn describe_error_value(v: &serde_json::Value) -> String {
+    use serde_json::Value;
+    match v {
+        Value::String(s) => s.clone(),
+        Value::Object(map) => {
+            if let Some(Value::String(m)) = map.get("message") {
+                return m.clone();
+            }
+            let op = map.get("Op").and_then(Value::as_str);
+            let path = map.get("Path").and_then(Value::as_str);
+            let errno = map.get("Err").and_then(Value::as_i64);
+            match (op, path, errno) {
+                (Some(op), Some(path), Some(e)) => {
+                    let desc = i32::try_from(e)
+                        .map(|e| nix::errno::Errno::from_raw(e).desc())
+                        .unwrap_or("unknown error");
+                    format!("{op} {path}: {}", desc.to_lowercase())
+                }
+                _ if map.is_empty() => "could not be read".to_string(),
+                _ => v.to_string(),
+            }
+        }
+        Value::Null => "could not be read".to_string(),
+        other => other.to_string(),
+    }
+}
+
+/// Stateless-per-record parser for restic's output.
+#[derive(Debug, Clone, Copy)]
+pub struct ResticParser {
+    mode: Direction,
+}
+
+impl ResticParser {
+    pub fn new(mode: Direction) -> Self {
+        Self { mode }
+    }
+
+    /// Parses one framed record from either stream.
+    pub fn parse(&self, record: &[u8]) -> UploaderEvent {
+        let trimmed = record.trim_ascii();
+        if trimmed.first() == Some(&b'{') {
+            return match serde_json::from_slice::<Message>(trimmed) {
+                Ok(msg) => self.event(msg),
+                Err(_) if serde_json::from_slice::<serde::de::IgnoredAny>(trimmed).is_ok() => {
+                    // Valid JSON that is not a message we know (no message_type): not ours to judge.
+                    UploaderEvent::Ignored
+                }
+                Err(e) => UploaderEvent::Malformed(format!(
+                    "unparsable JSON record of {} bytes ({e})",
+                    trimmed.len()
+                )),
+            };
+        }
+        self.text(clean_line(trimmed))
+    }
+
+    fn event(&self, msg: Message) -> UploaderEvent {
+        match msg {
+            Message::Status(s) => {
+                if s.action.as_deref() == Some("scan_finished") {
+                    return UploaderEvent::ScanFinished {
+                        total_bytes: s.total_bytes,
+                        total_files: Some(s.total_files),
+                    };
+                }
+                match self.mode {
+                    Direction::Backup => UploaderEvent::Progress(ProgressSample {
+                        bytes_done: s.bytes_done,
+                        total_bytes: s.total_bytes,
+                        files_done: s.files_done,
+                        total_files: Some(s.total_files),
+                        // restic estimates the remaining time only once the scan is over.
+                        scan_finished: s.seconds_remaining.is_some(),
+                    }),
+                    Direction::Restore => UploaderEvent::Progress(ProgressSample {
+                        bytes_done: s.bytes_restored + s.bytes_skipped,
+                        total_bytes: s.total_bytes,
+                        files_done: s.files_restored + s.files_skipped,
+                        total_files: Some(s.total_files),
+                        scan_finished: true,
+                    }),
+                }
+            }
+            Message::VerboseStatus(v) => {
+                if v.action == "scan_finished" {
+                    UploaderEvent::ScanFinished {
+                        total_bytes: v.total_bytes,
+                        total_files: v.total_files,
+                    }
+                } else {
+                    UploaderEvent::Ignored
+                }
+            }
+            Message::Summary(s) => UploaderEvent::Summary(match self.mode {
+                Direction::Backup => RunSummary {
+                    snapshot_id: s.snapshot_id.filter(|id| !id.is_empty()),
+                    total_bytes: s.total_bytes_processed,
+                    total_files: s.total_files_processed,
+                    bytes_added: s.data_added,
+                    ..RunSummary::default()
+                },
+                Direction::Restore => RunSummary {
+                    snapshot_id: None,
+                    total_bytes: s.total_bytes.max(s.bytes_restored + s.bytes_skipped),
+                    total_files: s.total_files.max(s.files_restored + s.files_skipped),
+                    ..RunSummary::default()
+                },
+            }),
+            Message::Error(e) => UploaderEvent::ItemError {
+                item: e.item,
+                message: {
+                    let m = describe_error_value(&e.error);
+                    if e.during.is_empty() {
+                        m
+                    } else {
+                        format!("{m} (during {})", e.during)
+                    }
+                },
+            },
+            Message::ExitError(e) => UploaderEvent::Fatal(format!(
+                "{} (exit code {})",
+                crate::text::strip_ansi(e.message.trim()),
+                e.code
+            )),
+            Message::Unknown => UploaderEvent::Ignored,
+        }
+    }
+
+    fn text(&self, line: String) -> UploaderEvent {
+        if line.is_empty() {
+            return UploaderEvent::Ignored;
+        }
+        if let Some(rest) = line.strip_prefix("Fatal: ") {
+            return UploaderEvent::Fatal(rest.to_string());
+        }
+        // 0.14/0.15 restore reports per-file failures only as text.
+        if let Some(rest) = line.strip_prefix("ignoring error for ") {
+            if let Some((item, message)) = rest.split_once(": ") {
+                return UploaderEvent::ItemError {
+                    item: item.to_string(),
+                    message: message.to_string(),
+                };
+            }
+        }
+        UploaderEvent::Text(line)
+    }
+}
+
+/// Text that restic prints on failures, per kind, for versions whose exit code is just 1.
+const WRONG_PASSWORD: &[&str] = &["wrong password or no key found", "no key found"];
+const REPOSITORY_MISSING: &[&str] = &[
+    "Is there a repository at the following location?",
+    "unable to open config file",
+    "repository does not exist",
+];
+const LOCKED: &[&str] = &[
+    "unable to create lock in backend",
+    "repository is already locked",
+];
+const SOURCE_MISSING: &[&str] = &["all target directories/files do not exist"];
+
+/// Classifies how a restic run ended. `cancel_requested`: we asked it to stop.
+pub fn classify(
+    exit: ExitInfo,
+    facts: &RunFacts,
+    cancel_requested: bool,
+    mode: Direction,
+) -> Outcome {
+    let text = facts.error_text();
+    let has = |needles: &[&str]| needles.iter().any(|n| text.contains(n));
+    let kind = match (exit.code, exit.signal) {
+        (Some(0), _) if mode == Direction::Backup && facts.summary.is_none() => OutcomeKind::Failed,
+        (Some(0), _) => OutcomeKind::Success,
+        _ if cancel_requested => OutcomeKind::Canceled,
+        (Some(3), _) => OutcomeKind::Partial,
+        (Some(10), _) => OutcomeKind::RepositoryMissing,
+        (Some(11), _) => OutcomeKind::Locked,
+        (Some(12), _) => OutcomeKind::WrongPassword,
+        (Some(130), _) => OutcomeKind::Interrupted,
+        (None, Some(sig)) => OutcomeKind::KilledBySignal { signal: sig },
+        _ if has(WRONG_PASSWORD) => OutcomeKind::WrongPassword,
+        _ if has(REPOSITORY_MISSING) => OutcomeKind::RepositoryMissing,
+        _ if has(LOCKED) => OutcomeKind::Locked,
+        _ if has(SOURCE_MISSING) => OutcomeKind::SourceMissing,
+        // 0.17/0.18 sometimes end an interrupted run with exit 1 and "context canceled".
+        _ if facts.interrupt_seen && text.contains("context canceled") => OutcomeKind::Interrupted,
+        _ => OutcomeKind::Failed,
+    };
+    let snapshot_id = facts.summary.as_ref().and_then(|s| s.snapshot_id.clone());
+    let message = match &kind {
+        OutcomeKind::Success => match (&snapshot_id, &facts.summary) {
+            (Some(id), Some(s)) => format!(
+                "snapshot {id} saved: {} in {} files, {} new",
+                crate::text::format_bytes(s.total_bytes),
+                s.total_files,
+                crate::text::format_bytes(s.bytes_added)
+            ),
+            _ if mode == Direction::Restore => "restore completed".to_string(),
+            _ => "completed".to_string(),
+        },
+        OutcomeKind::Partial => partial_message(snapshot_id.as_deref(), facts),
+        OutcomeKind::Canceled => "canceled".to_string(),
+        OutcomeKind::Failed if exit.code == Some(0) => {
+            "restic exited 0 but printed no summary; the snapshot cannot be confirmed".to_string()
+        }
+        _ => facts.cause(&format!("restic failed with {exit}")),
+    };
+    Outcome {
+        kind,
+        message,
+        exit_code: exit.code,
+        snapshot_id,
+        summary: facts.summary.as_ref().map(RunSummaryView::from),
+        failed_items: facts.failed_items,
+        first_failed_items: facts.first_failed_items.clone(),
+    }
+}
+
+/// "snapshot X saved, but 2 items could not be read: a (permission denied), b (...)".
+pub fn partial_message(snapshot_id: Option<&str>, facts: &RunFacts) -> String {
+    let saved = match snapshot_id {
+        Some(id) => format!("snapshot {id} saved"),
+        None => "snapshot saved".to_string(),
+    };
+    let n = facts.failed_items;
+    if n == 0 {
+        return format!("{saved}, but some source data could not be read");
+    }
+    let listed: Vec<String> = facts.first_failed_items.iter().map(describe_item).collect();
+    let more = n.saturating_sub(listed.len() as u64);
+    let mut msg = format!(
+        "{saved}, but {n} item{} could not be read: {}",
+        if n == 1 { "" } else { "s" },
+        listed.join(", ")
+    );
+    if more > 0 {
+        msg.push_str(&format!(" and {more} more"));
+    }
+    msg
+}
+
+fn describe_item(i: &FailedItem) -> String {
+    if i.message.is_empty() {
+        i.item.clone()
+    } else {
+        format!("{} ({})", i.item, i.message)
+    }
+}
+
+/// Paths in restic's messages are absolute inside the volume; shown relative to it they are
+/// what the operator recognises.
+pub fn relative_item(item: &str, volume: &Path) -> String {
+    Path::new(item)
+        .strip_prefix(volume)
+        .map(|p| p.display().to_string())
+        .unwrap_or_else(|_| item.to_string())
+}
