@@ -6,11 +6,15 @@
 //! [`progress::OperationProgress`], and consumers (the one-shot CLI, the status writer) read that
 //! value at their own pace.
 
+pub mod cli;
+pub mod engine;
 pub mod error;
 pub mod facts;
 pub mod framing;
+pub mod oneshot;
 pub mod operation;
 pub mod progress;
 pub mod runner;
+pub mod telemetry;
 pub mod text;
 pub mod uploader;

@@ -24,6 +24,11 @@ impl OperationSink {
         self.progress.send_replace(p);
     }
 
+    /// The value published last.
+    pub fn latest(&self) -> OperationProgress {
+        self.progress.borrow().clone()
+    }
+
     pub fn cancel_token(&self) -> &CancellationToken {
         &self.cancel
     }

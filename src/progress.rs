@@ -45,6 +45,25 @@ impl OperationProgress {
         }
     }
 
+    /// Marks the end. On success both counters become the final size; otherwise they keep what
+    /// was reached and `err` carries the cause.
+    pub fn complete(
+        &mut self,
+        success_size: Option<u64>,
+        err: Option<String>,
+        description: String,
+        wall: SystemTime,
+    ) {
+        if let Some(size) = success_size {
+            self.n_total = size;
+            self.n_completed = size;
+        }
+        self.completed = true;
+        self.err = err.unwrap_or_default();
+        self.description = description;
+        self.updated = wall;
+    }
+
     /// Percentage done, when a total is known.
     pub fn percent(&self) -> Option<f64> {
         (self.n_total > 0).then(|| self.n_completed as f64 * 100.0 / self.n_total as f64)

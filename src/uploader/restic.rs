@@ -457,13 +457,14 @@ impl ResticParser {
             return UploaderEvent::Fatal(rest.to_string());
         }
         // 0.14/0.15 restore reports per-file failures only as text.
-        if let Some(rest) = line.strip_prefix("ignoring error for ") {
-            if let Some((item, message)) = rest.split_once(": ") {
-                return UploaderEvent::ItemError {
-                    item: item.to_string(),
-                    message: message.to_string(),
-                };
-            }
+        if let Some((item, message)) = line
+            .strip_prefix("ignoring error for ")
+            .and_then(|rest| rest.split_once(": "))
+        {
+            return UploaderEvent::ItemError {
+                item: item.to_string(),
+                message: message.to_string(),
+            };
         }
         UploaderEvent::Text(line)
     }

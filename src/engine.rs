@@ -1,0 +1,514 @@
+//! Runs backups and restores as [`Operation`]s: picks the uploader invocation, wires the child's
+//! output through framing and parsing into the progress tracker, stops the child on cancel and
+//! turns the end into an [`Outcome`]. Usable with no Kubernetes: the one-shot CLI drives it
+//! directly, the node agent through its controllers.
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime};
+
+use tokio::sync::OnceCell;
+use tokio_util::sync::CancellationToken;
+
+use crate::error::{Error, Result};
+use crate::facts::RunFacts;
+use crate::framing::Frame;
+use crate::operation::{Operation, OperationSink};
+use crate::progress::{OperationProgress, ProgressTracker};
+use crate::runner::{self, ChildSpec, StopKind};
+use crate::uploader::restic::{self, BackupOptions, ResticInvocation, ResticVersion};
+use crate::uploader::{
+    Direction, ExitInfo, Outcome, OutcomeKind, ProgressSample, RepositoryAccess, Stream,
+    UploaderEvent, UploaderKind,
+};
+
+/// Settings shared by every operation of an engine.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    pub restic_binary: PathBuf,
+    pub kopia_binary: PathBuf,
+    /// How often consumers publish progress; the uploader is asked to report twice as often.
+    pub update_interval: Duration,
+    /// Time between SIGINT and SIGKILL when stopping an uploader.
+    pub cancel_grace: Duration,
+    pub max_frame: usize,
+    /// Create a missing repository instead of failing.
+    pub init_missing_repository: bool,
+    /// How long to wait for a repository lock held by someone else before failing.
+    pub lock_wait: Duration,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            restic_binary: "restic".into(),
+            kopia_binary: "kopia".into(),
+            update_interval: Duration::from_secs(10),
+            cancel_grace: Duration::from_secs(10),
+            max_frame: crate::framing::DEFAULT_MAX_FRAME,
+            init_missing_repository: true,
+            lock_wait: Duration::from_secs(60),
+        }
+    }
+}
+
+/// A backup of one directory.
+#[derive(Debug, Clone)]
+pub struct BackupRequest {
+    pub uploader: UploaderKind,
+    pub access: RepositoryAccess,
+    /// The directory to back up; the uploader runs inside it so snapshot paths are relative.
+    pub source: PathBuf,
+    pub options: BackupOptions,
+}
+
+/// A restore of one snapshot into a directory.
+#[derive(Debug, Clone)]
+pub struct RestoreRequest {
+    pub uploader: UploaderKind,
+    pub access: RepositoryAccess,
+    pub snapshot_id: String,
+    pub target: PathBuf,
+}
+
+/// Starts operations. Detects the uploader version once and reuses it.
+#[derive(Debug)]
+pub struct Engine {
+    cfg: EngineConfig,
+    restic_version: OnceCell<ResticVersion>,
+}
+
+/// Progress tracker and facts of one child run, shared by the output parser and (for restores
+/// that print no progress) the target measurer.
+struct Tracking {
+    tracker: ProgressTracker,
+    facts: RunFacts,
+    sink: OperationSink,
+}
+
+impl Tracking {
+    fn apply(&mut self, stream: Stream, event: UploaderEvent) {
+        let now = Instant::now();
+        let wall = SystemTime::now();
+        let changed = match &event {
+            UploaderEvent::Progress(s) => {
+                self.tracker.observe(s, now, wall);
+                true
+            }
+            UploaderEvent::ScanFinished { total_bytes, .. } => {
+                self.tracker.scan_finished(*total_bytes, now, wall);
+                true
+            }
+            _ => false,
+        };
+        if let UploaderEvent::ItemError { item, message } = &event {
+            tracing::warn!(item = %item, error = %message, "uploader could not process an item");
+        }
+        self.facts.observe(stream, &event);
+        if changed {
+            self.sink.publish(self.tracker.progress().clone());
+        }
+    }
+}
+
+type Shared = Arc<Mutex<Tracking>>;
+
+fn lock(t: &Shared) -> std::sync::MutexGuard<'_, Tracking> {
+    // A panic while holding the lock leaves plain data behind; keep going with it.
+    t.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Engine {
+    pub fn new(cfg: EngineConfig) -> Arc<Self> {
+        Arc::new(Self {
+            cfg,
+            restic_version: OnceCell::new(),
+        })
+    }
+
+    pub fn config(&self) -> &EngineConfig {
+        &self.cfg
+    }
+
+    /// The restic version, asked once (`restic version`) and remembered.
+    pub async fn restic_version(&self) -> Result<ResticVersion> {
+        self.restic_version
+            .get_or_try_init(|| async {
+                let spec = ChildSpec::new(&self.cfg.restic_binary, vec!["version".into()]);
+                let out = runner::capture(&spec, &CancellationToken::new(), self.cfg.cancel_grace)
+                    .await?;
+                let text = String::from_utf8_lossy(&out.stdout).to_string();
+                ResticVersion::parse(&text).ok_or(Error::UnknownVersion {
+                    program: self.cfg.restic_binary.display().to_string(),
+                    output: crate::text::truncate(&text, 200),
+                })
+            })
+            .await
+            .copied()
+    }
+
+    /// Starts a backup.
+    pub fn backup(self: &Arc<Self>, req: BackupRequest) -> Operation {
+        let engine = Arc::clone(self);
+        Operation::spawn(
+            OperationProgress::new(SystemTime::now()),
+            move |sink| async move {
+                let outcome = match req.uploader {
+                    UploaderKind::Restic => engine.restic_backup(&req, &sink).await,
+                    UploaderKind::Kopia => engine.kopia_backup(&req, &sink).await,
+                };
+                finish(&sink, Direction::Backup, outcome)
+            },
+        )
+    }
+
+    /// Starts a restore.
+    pub fn restore(self: &Arc<Self>, req: RestoreRequest) -> Operation {
+        let engine = Arc::clone(self);
+        Operation::spawn(
+            OperationProgress::new(SystemTime::now()),
+            move |sink| async move {
+                let outcome = match req.uploader {
+                    UploaderKind::Restic => engine.restic_restore(&req, &sink).await,
+                    UploaderKind::Kopia => engine.kopia_restore(&req, &sink).await,
+                };
+                finish(&sink, Direction::Restore, outcome)
+            },
+        )
+    }
+
+    fn restic_spec(&self, inv: ResticInvocation, cwd: Option<&Path>) -> ChildSpec {
+        let mut spec = ChildSpec::new(&self.cfg.restic_binary, inv.args);
+        spec.env = inv.env;
+        spec.env_remove = restic::SCRUBBED_ENV.to_vec();
+        spec.cwd = cwd.map(Path::to_path_buf);
+        spec.max_frame = self.cfg.max_frame;
+        spec
+    }
+
+    /// Runs a short restic command to its end (init, unlock, stats).
+    async fn restic_capture(
+        &self,
+        inv: ResticInvocation,
+        cancel: &CancellationToken,
+    ) -> Result<runner::Captured> {
+        runner::capture(&self.restic_spec(inv, None), cancel, self.cfg.cancel_grace).await
+    }
+
+    /// Runs one uploader child with its output feeding `tracking`.
+    async fn run_tracked(
+        &self,
+        spec: &ChildSpec,
+        parse: &(dyn Fn(Stream, &[u8]) -> UploaderEvent + Sync),
+        tracking: &Shared,
+        cancel: &CancellationToken,
+    ) -> Result<(ExitInfo, Option<StopKind>)> {
+        tracing::info!(argv = %spec.display_argv(), cwd = ?spec.cwd, "starting uploader");
+        let exit = runner::run(spec, cancel, self.cfg.cancel_grace, &mut |stream, frame| {
+            let event = match frame {
+                Frame::Line(l) => parse(stream, l),
+                Frame::Truncated { len } => UploaderEvent::Truncated { len },
+            };
+            lock(tracking).apply(stream, event);
+        })
+        .await?;
+        if exit.truncated_frames > 0 {
+            tracing::warn!(
+                count = exit.truncated_frames,
+                "uploader printed records over the frame cap; they were skipped"
+            );
+        }
+        Ok((exit.exit, exit.stop))
+    }
+
+    /// Removes the lock a stopped restic may have left. Not cancelable: it must run after a cancel.
+    async fn restic_unlock(&self, access: &RepositoryAccess) {
+        match self
+            .restic_capture(restic::unlock(access), &CancellationToken::new())
+            .await
+        {
+            Ok(c) if c.exit.code == Some(0) => tracing::info!("removed stale repository locks"),
+            Ok(c) => {
+                tracing::warn!(exit = %c.exit, stderr = ?c.stderr.last(), "restic unlock failed")
+            }
+            Err(e) => tracing::warn!(error = %e, "restic unlock could not run"),
+        }
+    }
+
+    async fn restic_init(
+        &self,
+        access: &RepositoryAccess,
+        cancel: &CancellationToken,
+    ) -> Result<(), String> {
+        tracing::info!("repository does not exist: initialising it");
+        match self.restic_capture(restic::init(access), cancel).await {
+            Ok(c) if c.exit.code == Some(0) => Ok(()),
+            Ok(c) => Err(format!(
+                "cannot initialise the repository: {}",
+                c.stderr
+                    .iter()
+                    .rev()
+                    .find(|l| !l.is_empty())
+                    .cloned()
+                    .unwrap_or_else(|| c.exit.to_string())
+            )),
+            Err(e) => Err(format!("cannot initialise the repository: {e}")),
+        }
+    }
+
+    async fn restic_backup(&self, req: &BackupRequest, sink: &OperationSink) -> Outcome {
+        let cancel = sink.cancel_token();
+        if let Err(msg) = check_directory(&req.source, "backup source") {
+            return Outcome {
+                kind: OutcomeKind::SourceMissing,
+                ..Outcome::internal(msg)
+            };
+        }
+        let version = match self.restic_version().await {
+            Ok(v) => v,
+            Err(e) => return Outcome::internal(e.to_string()),
+        };
+        let tracking: Shared = Arc::new(Mutex::new(Tracking {
+            tracker: ProgressTracker::new(Direction::Backup, sink.latest().started),
+            facts: RunFacts::default(),
+            sink: sink.clone(),
+        }));
+        let parser = restic::ResticParser::new(Direction::Backup);
+        let parse = move |_s: Stream, l: &[u8]| parser.parse(l);
+        let mut initialised = false;
+        let lock_deadline = Instant::now() + self.cfg.lock_wait;
+        let mut backoff = Duration::from_secs(2);
+        loop {
+            if cancel.is_cancelled() {
+                return Outcome::canceled("canceled before the uploader started");
+            }
+            lock(&tracking).facts = RunFacts::default();
+            let mut opts = req.options.clone();
+            if opts.retry_lock.is_none() && version.has_retry_lock() {
+                opts.retry_lock = Some(self.cfg.lock_wait);
+            }
+            let inv = restic::backup(&req.access, version, &opts, self.cfg.update_interval);
+            let spec = self.restic_spec(inv, Some(&req.source));
+            let (exit, stop) = match self.run_tracked(&spec, &parse, &tracking, cancel).await {
+                Ok(r) => r,
+                Err(e) => return Outcome::internal(e.to_string()),
+            };
+            let outcome = {
+                let t = lock(&tracking);
+                restic::classify(exit, &t.facts, cancel.is_cancelled(), Direction::Backup)
+            };
+            if stop.is_some() {
+                self.restic_unlock(&req.access).await;
+            }
+            match outcome.kind {
+                OutcomeKind::RepositoryMissing
+                    if self.cfg.init_missing_repository && !initialised =>
+                {
+                    if let Err(msg) = self.restic_init(&req.access, cancel).await {
+                        return Outcome {
+                            kind: OutcomeKind::RepositoryMissing,
+                            ..Outcome::internal(msg)
+                        };
+                    }
+                    initialised = true;
+                }
+                // restic >= 0.16 waits itself (--retry-lock); older ones are retried here.
+                OutcomeKind::Locked
+                    if !version.has_retry_lock() && Instant::now() + backoff < lock_deadline =>
+                {
+                    tracing::info!(retry_in = ?backoff, cause = %outcome.message, "repository is locked; retrying");
+                    tokio::select! {
+                        _ = tokio::time::sleep(backoff) => {}
+                        _ = cancel.cancelled() => return Outcome::canceled("canceled while waiting for a repository lock"),
+                    }
+                    backoff = (backoff * 2).min(Duration::from_secs(30));
+                }
+                _ => return outcome,
+            }
+        }
+    }
+
+    async fn restic_restore(&self, req: &RestoreRequest, sink: &OperationSink) -> Outcome {
+        let cancel = sink.cancel_token();
+        if let Err(msg) = check_directory(&req.target, "restore target") {
+            return Outcome {
+                kind: OutcomeKind::SourceMissing,
+                ..Outcome::internal(msg)
+            };
+        }
+        let version = match self.restic_version().await {
+            Ok(v) => v,
+            Err(e) => return Outcome::internal(e.to_string()),
+        };
+        let tracking: Shared = Arc::new(Mutex::new(Tracking {
+            tracker: ProgressTracker::new(Direction::Restore, sink.latest().started),
+            facts: RunFacts::default(),
+            sink: sink.clone(),
+        }));
+        // restic < 0.16 prints nothing while restoring: the total comes from `stats`, the part done
+        // from the bytes that appear under the target.
+        let mut measurer = None;
+        let mut known_total = None;
+        if !version.has_restore_json() {
+            let stats = match self
+                .restic_capture(restic::stats(&req.access, &req.snapshot_id), cancel)
+                .await
+            {
+                Ok(c) => c,
+                Err(e) => return Outcome::internal(e.to_string()),
+            };
+            if cancel.is_cancelled() {
+                return Outcome::canceled("canceled before the uploader started");
+            }
+            if stats.exit.code != Some(0) {
+                let mut facts = RunFacts::default();
+                let parser = restic::ResticParser::new(Direction::Restore);
+                for line in &stats.stderr {
+                    facts.observe(Stream::Stderr, &parser.parse(line.as_bytes()));
+                }
+                return restic::classify(stats.exit, &facts, false, Direction::Restore);
+            }
+            match restic::parse_stats(&stats.stdout) {
+                Some((total, _files)) => {
+                    known_total = Some(total);
+                    let mut t = lock(&tracking);
+                    t.tracker.set_total(total);
+                    t.sink.publish(t.tracker.progress().clone());
+                }
+                None => tracing::warn!(
+                    "restic stats printed no usable total; restore progress will show bytes only"
+                ),
+            }
+            let baseline = dir_bytes(req.target.clone()).await;
+            measurer = Some(tokio::spawn(measure_target(
+                req.target.clone(),
+                baseline,
+                known_total,
+                self.cfg.update_interval,
+                Arc::clone(&tracking),
+            )));
+        }
+        let parser = restic::ResticParser::new(Direction::Restore);
+        let parse = move |_s: Stream, l: &[u8]| parser.parse(l);
+        let spec = self.restic_spec(
+            restic::restore(
+                &req.access,
+                version,
+                &req.snapshot_id,
+                self.cfg.update_interval,
+            ),
+            Some(&req.target),
+        );
+        let result = self.run_tracked(&spec, &parse, &tracking, cancel).await;
+        if let Some(m) = measurer {
+            m.abort();
+        }
+        let (exit, stop) = match result {
+            Ok(r) => r,
+            Err(e) => return Outcome::internal(e.to_string()),
+        };
+        if stop.is_some() {
+            self.restic_unlock(&req.access).await;
+        }
+        let mut outcome = {
+            let t = lock(&tracking);
+            restic::classify(exit, &t.facts, cancel.is_cancelled(), Direction::Restore)
+        };
+        if let (true, None, Some(total)) =
+            (outcome.kind.is_success(), &outcome.summary, known_total)
+        {
+            outcome.summary = Some(crate::uploader::RunSummaryView {
+                total_bytes: total,
+                total_files: 0,
+                bytes_added: 0,
+            });
+        }
+        outcome
+    }
+
+    async fn kopia_backup(&self, _req: &BackupRequest, _sink: &OperationSink) -> Outcome {
+        Outcome::internal("kopia support is not available in this build")
+    }
+
+    async fn kopia_restore(&self, _req: &RestoreRequest, _sink: &OperationSink) -> Outcome {
+        Outcome::internal("kopia support is not available in this build")
+    }
+}
+
+/// Publishes the final progress: on success both counters become the final size.
+fn finish(sink: &OperationSink, direction: Direction, outcome: Outcome) -> Outcome {
+    // Start from the last published value so what was reached is kept on failure.
+    let mut progress = sink.latest();
+    let success_size = match outcome.kind {
+        OutcomeKind::Success | OutcomeKind::Partial => {
+            outcome.summary.as_ref().map(|s| s.total_bytes)
+        }
+        _ => None,
+    };
+    let err = (!outcome.kind.is_success()).then(|| outcome.message.clone());
+    progress.complete(
+        success_size,
+        err,
+        outcome.message.clone(),
+        SystemTime::now(),
+    );
+    tracing::info!(direction = ?direction, outcome = ?outcome.kind, message = %outcome.message, "operation finished");
+    sink.publish(progress);
+    outcome
+}
+
+fn check_directory(path: &Path, what: &str) -> Result<(), String> {
+    match std::fs::metadata(path) {
+        Ok(m) if m.is_dir() => Ok(()),
+        Ok(_) => Err(format!("{what} {} is not a directory", path.display())),
+        Err(e) => Err(format!("{what} {}: {e}", path.display())),
+    }
+}
+
+/// Bytes in regular files under `dir`, not following symlinks. Blocking I/O off the runtime.
+async fn dir_bytes(dir: PathBuf) -> u64 {
+    tokio::task::spawn_blocking(move || {
+        let mut total = 0u64;
+        let mut stack = vec![dir];
+        while let Some(d) = stack.pop() {
+            let Ok(entries) = std::fs::read_dir(&d) else {
+                continue;
+            };
+            for e in entries.flatten() {
+                let Ok(ft) = e.file_type() else { continue };
+                if ft.is_dir() {
+                    stack.push(e.path());
+                } else if ft.is_file() {
+                    total += e.metadata().map(|m| m.len()).unwrap_or(0);
+                }
+            }
+        }
+        total
+    })
+    .await
+    .unwrap_or(0)
+}
+
+/// Restore progress for uploaders that print none: the target's growth, sampled once per
+/// interval at most (a walk of a large volume is not free).
+async fn measure_target(
+    target: PathBuf,
+    baseline: u64,
+    total: Option<u64>,
+    interval: Duration,
+    tracking: Shared,
+) {
+    let mut tick = tokio::time::interval(interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let done = dir_bytes(target.clone()).await.saturating_sub(baseline);
+        let sample = ProgressSample {
+            bytes_done: done,
+            total_bytes: total,
+            scan_finished: true,
+            ..Default::default()
+        };
+        lock(&tracking).apply(Stream::Stdout, UploaderEvent::Progress(sample));
+    }
+}

@@ -1,0 +1,255 @@
+//! The one-shot `backup` and `restore` commands: one operation, live progress on the terminal or
+//! JSON lines on stdout, clean stop on SIGINT/SIGTERM.
+
+use std::io::{IsTerminal, Write};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use tokio::signal::unix::{SignalKind, signal};
+
+use crate::cli::{BackupArgs, CommonArgs, RestoreArgs};
+use crate::engine::{BackupRequest, Engine, EngineConfig, RestoreRequest};
+use crate::operation::Operation;
+use crate::progress::OperationProgress;
+use crate::uploader::restic::BackupOptions;
+use crate::uploader::{Outcome, OutcomeKind, RepositoryAccess};
+
+/// Exit code after a stop by signal, as shells expect for SIGINT.
+pub const EXIT_CANCELED: i32 = 130;
+/// Exit code of a partial backup, as restic's.
+pub const EXIT_PARTIAL: i32 = 3;
+
+fn engine(common: &CommonArgs) -> Arc<Engine> {
+    Engine::new(EngineConfig {
+        restic_binary: common.restic_binary.clone(),
+        kopia_binary: common.kopia_binary.clone(),
+        update_interval: common.update_interval,
+        cancel_grace: common.cancel_grace,
+        init_missing_repository: !common.no_init,
+        lock_wait: common.lock_wait,
+        ..EngineConfig::default()
+    })
+}
+
+fn access(common: &CommonArgs) -> Result<RepositoryAccess, String> {
+    let cache_dir = match &common.cache_dir {
+        Some(d) => d.clone(),
+        None => default_cache_dir(),
+    };
+    create_private_dir(&cache_dir)?;
+    if let Err(e) = std::fs::metadata(&common.password_file) {
+        return Err(format!(
+            "password file {}: {e}",
+            common.password_file.display()
+        ));
+    }
+    Ok(RepositoryAccess {
+        repository: common.repo.clone(),
+        password_file: std::path::absolute(&common.password_file)
+            .unwrap_or(common.password_file.clone()),
+        cache_dir,
+        extra_env: Vec::new(),
+    })
+}
+
+fn default_cache_dir() -> PathBuf {
+    if let Some(x) = std::env::var_os("XDG_CACHE_HOME") {
+        return PathBuf::from(x).join("podvolume-agent");
+    }
+    if let Some(h) = std::env::var_os("HOME") {
+        return PathBuf::from(h).join(".cache").join("podvolume-agent");
+    }
+    std::env::temp_dir().join("podvolume-agent-cache")
+}
+
+/// Creates a directory only its owner can read: the cache holds repository metadata.
+fn create_private_dir(dir: &std::path::Path) -> Result<(), String> {
+    use std::os::unix::fs::DirBuilderExt;
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+        .map_err(|e| format!("cache directory {}: {e}", dir.display()))
+}
+
+pub async fn backup(args: BackupArgs) -> i32 {
+    let access = match access(&args.common) {
+        Ok(a) => a,
+        Err(e) => return usage_error(&e),
+    };
+    let source = std::path::absolute(&args.path).unwrap_or(args.path.clone());
+    let req = BackupRequest {
+        uploader: args.common.uploader,
+        access,
+        source,
+        options: BackupOptions {
+            host: args.host.clone(),
+            tags: args.tags.clone(),
+            parent: args.parent.clone(),
+            limit_upload_kib: args.limit_upload,
+            retry_lock: None,
+            verbose: false,
+        },
+    };
+    let op = engine(&args.common).backup(req);
+    drive(op, &args.common).await
+}
+
+pub async fn restore(args: RestoreArgs) -> i32 {
+    let access = match access(&args.common) {
+        Ok(a) => a,
+        Err(e) => return usage_error(&e),
+    };
+    if let Err(e) = std::fs::create_dir_all(&args.target) {
+        return usage_error(&format!("restore target {}: {e}", args.target.display()));
+    }
+    let target = std::path::absolute(&args.target).unwrap_or(args.target.clone());
+    let req = RestoreRequest {
+        uploader: args.common.uploader,
+        access,
+        snapshot_id: args.snapshot.clone(),
+        target,
+    };
+    let op = engine(&args.common).restore(req);
+    drive(op, &args.common).await
+}
+
+fn usage_error(msg: &str) -> i32 {
+    eprintln!("error: {msg}");
+    2
+}
+
+/// Shows progress until the operation ends; a signal cancels it.
+async fn drive(op: Operation, common: &CommonArgs) -> i32 {
+    let (mut sigint, mut sigterm) = match (
+        signal(SignalKind::interrupt()),
+        signal(SignalKind::terminate()),
+    ) {
+        (Ok(i), Ok(t)) => (i, t),
+        _ => return usage_error("cannot install signal handlers"),
+    };
+    let mut view = ProgressView::new(common.json);
+    let mut tick = tokio::time::interval(common.update_interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut signalled = false;
+    let outcome: Arc<Outcome> = loop {
+        tokio::select! {
+            o = op.wait() => break o,
+            _ = tick.tick() => view.show(&op.progress()),
+            _ = sigint.recv() => { signalled = true; break stop(&op, &mut view).await }
+            _ = sigterm.recv() => { signalled = true; break stop(&op, &mut view).await }
+        }
+    };
+    let last = op.progress();
+    view.finish(&last);
+    if !common.json {
+        report(&outcome);
+    }
+    match outcome.kind {
+        _ if signalled && outcome.kind == OutcomeKind::Canceled => EXIT_CANCELED,
+        OutcomeKind::Success => 0,
+        OutcomeKind::Partial => EXIT_PARTIAL,
+        OutcomeKind::Canceled | OutcomeKind::Interrupted => EXIT_CANCELED,
+        _ => 1,
+    }
+}
+
+async fn stop(op: &Operation, view: &mut ProgressView) -> Arc<Outcome> {
+    view.note("stopping the uploader (waiting for it to remove its lock)...");
+    op.cancel().await
+}
+
+fn report(outcome: &Outcome) {
+    match outcome.kind {
+        OutcomeKind::Success => {
+            eprintln!("{}", outcome.message);
+            if let Some(id) = &outcome.snapshot_id {
+                println!("{id}");
+            }
+        }
+        OutcomeKind::Partial => {
+            eprintln!("warning: {}", outcome.message);
+            if let Some(id) = &outcome.snapshot_id {
+                println!("{id}");
+            }
+        }
+        _ => eprintln!("error: {}", outcome.message),
+    }
+}
+
+/// Where progress goes: a bar on a terminal, JSON lines with `--json`, plain lines otherwise.
+enum ProgressView {
+    Json { last: Option<OperationProgress> },
+    Bar(ProgressBar),
+    Lines { last: Option<OperationProgress> },
+}
+
+impl ProgressView {
+    fn new(json: bool) -> Self {
+        if json {
+            return ProgressView::Json { last: None };
+        }
+        if !std::io::stderr().is_terminal() {
+            return ProgressView::Lines { last: None };
+        }
+        let bar = ProgressBar::with_draw_target(Some(0), ProgressDrawTarget::stderr());
+        bar.set_style(
+            ProgressStyle::with_template("{spinner:.green} [{elapsed_precise}] [{wide_bar:.cyan/blue}] {bytes}/{total_bytes}\n  {msg}")
+                .unwrap_or_else(|_| ProgressStyle::default_bar())
+                .progress_chars("=> "),
+        );
+        bar.enable_steady_tick(Duration::from_millis(200));
+        ProgressView::Bar(bar)
+    }
+
+    fn show(&mut self, p: &OperationProgress) {
+        match self {
+            ProgressView::Json { last } => {
+                if last.as_ref() != Some(p) {
+                    print_json(p);
+                    *last = Some(p.clone());
+                }
+            }
+            ProgressView::Bar(bar) => {
+                bar.set_length(p.n_total);
+                bar.set_position(p.n_completed);
+                bar.set_message(p.description.clone());
+            }
+            ProgressView::Lines { last } => {
+                if last.as_ref().map(|l| &l.description) != Some(&p.description) {
+                    eprintln!("{}", p.description);
+                    *last = Some(p.clone());
+                }
+            }
+        }
+    }
+
+    fn note(&mut self, msg: &str) {
+        match self {
+            ProgressView::Bar(bar) => bar.set_message(msg.to_string()),
+            _ => eprintln!("{msg}"),
+        }
+    }
+
+    fn finish(&mut self, p: &OperationProgress) {
+        match self {
+            ProgressView::Json { .. } => print_json(p),
+            ProgressView::Bar(bar) => {
+                bar.set_length(p.n_total);
+                bar.set_position(p.n_completed);
+                bar.finish_and_clear();
+            }
+            ProgressView::Lines { .. } => {}
+        }
+    }
+}
+
+fn print_json(p: &OperationProgress) {
+    let mut out = std::io::stdout().lock();
+    if let Ok(s) = serde_json::to_string(p) {
+        let _ = writeln!(out, "{s}");
+        let _ = out.flush();
+    }
+}
