@@ -102,6 +102,9 @@ pub struct RestoreArgs {
     /// Directory to restore into (created if missing).
     #[arg(long)]
     pub target: PathBuf,
+    /// Download limit in KiB/s (restic `--limit-download`).
+    #[arg(long)]
+    pub limit_download: Option<u64>,
     /// Snapshot ID (restic: short or long ID; kopia: manifest ID).
     pub snapshot: String,
 }

@@ -4,6 +4,7 @@
 //! directly, the node agent through its controllers.
 
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
@@ -69,6 +70,8 @@ pub struct RestoreRequest {
     pub access: RepositoryAccess,
     pub snapshot_id: String,
     pub target: PathBuf,
+    /// Download limit in KiB/s (restic `--limit-download`).
+    pub limit_download_kib: Option<u64>,
 }
 
 /// Starts operations. Detects the uploader version once and reuses it.
@@ -349,6 +352,7 @@ impl Engine {
         // from the bytes that appear under the target.
         let mut measurer = None;
         let mut known_total = None;
+        let pid_cell = Arc::new(AtomicU32::new(0));
         if !version.has_restore_json() {
             let stats = match self
                 .restic_capture(restic::stats(&req.access, &req.snapshot_id), cancel)
@@ -372,17 +376,16 @@ impl Engine {
                 Some((total, _files)) => {
                     known_total = Some(total);
                     let mut t = lock(&tracking);
-                    t.tracker.set_total(total);
+                    t.tracker
+                        .set_total(total, Instant::now(), SystemTime::now());
                     t.sink.publish(t.tracker.progress().clone());
                 }
                 None => tracing::warn!(
                     "restic stats printed no usable total; restore progress will show bytes only"
                 ),
             }
-            let baseline = dir_bytes(req.target.clone()).await;
-            measurer = Some(tokio::spawn(measure_target(
-                req.target.clone(),
-                baseline,
+            measurer = Some(tokio::spawn(measure_restore(
+                Arc::clone(&pid_cell),
                 known_total,
                 self.cfg.update_interval,
                 Arc::clone(&tracking),
@@ -390,15 +393,17 @@ impl Engine {
         }
         let parser = restic::ResticParser::new(Direction::Restore);
         let parse = move |_s: Stream, l: &[u8]| parser.parse(l);
-        let spec = self.restic_spec(
+        let mut spec = self.restic_spec(
             restic::restore(
                 &req.access,
                 version,
                 &req.snapshot_id,
+                req.limit_download_kib,
                 self.cfg.update_interval,
             ),
             Some(&req.target),
         );
+        spec.pid_cell = Some(Arc::clone(&pid_cell));
         let result = self.run_tracked(&spec, &parse, &tracking, cancel).await;
         if let Some(m) = measurer {
             m.abort();
@@ -421,6 +426,7 @@ impl Engine {
                 total_bytes: total,
                 total_files: 0,
                 bytes_added: 0,
+                files_unmodified: 0,
             });
         }
         outcome
@@ -465,35 +471,20 @@ fn check_directory(path: &Path, what: &str) -> Result<(), String> {
     }
 }
 
-/// Bytes in regular files under `dir`, not following symlinks. Blocking I/O off the runtime.
-async fn dir_bytes(dir: PathBuf) -> u64 {
-    tokio::task::spawn_blocking(move || {
-        let mut total = 0u64;
-        let mut stack = vec![dir];
-        while let Some(d) = stack.pop() {
-            let Ok(entries) = std::fs::read_dir(&d) else {
-                continue;
-            };
-            for e in entries.flatten() {
-                let Ok(ft) = e.file_type() else { continue };
-                if ft.is_dir() {
-                    stack.push(e.path());
-                } else if ft.is_file() {
-                    total += e.metadata().map(|m| m.len()).unwrap_or(0);
-                }
-            }
-        }
-        total
-    })
-    .await
-    .unwrap_or(0)
+/// Bytes a process has written so far (`wchar` of `/proc/<pid>/io`, all its threads).
+fn process_bytes_written(pid: u32) -> Option<u64> {
+    let io = std::fs::read_to_string(format!("/proc/{pid}/io")).ok()?;
+    io.lines()
+        .find_map(|l| l.strip_prefix("wchar:"))
+        .and_then(|v| v.trim().parse().ok())
 }
 
-/// Restore progress for uploaders that print none: the target's growth, sampled once per
-/// interval at most (a walk of a large volume is not free).
-async fn measure_target(
-    target: PathBuf,
-    baseline: u64,
+/// Restore progress for restic versions that print none. The restored files cannot be measured
+/// on disk: restic 0.14 creates each file at full size before writing its data. What restic has
+/// written is what its process wrote, read once per interval from `/proc`. Writes to its cache
+/// are counted too, so the figure is clamped to the snapshot size.
+async fn measure_restore(
+    pid: Arc<AtomicU32>,
     total: Option<u64>,
     interval: Duration,
     tracking: Shared,
@@ -502,7 +493,14 @@ async fn measure_target(
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
-        let done = dir_bytes(target.clone()).await.saturating_sub(baseline);
+        let pid = pid.load(Ordering::Relaxed);
+        if pid == 0 {
+            continue;
+        }
+        let Some(done) = process_bytes_written(pid) else {
+            continue;
+        };
+        let done = total.map_or(done, |t| done.min(t));
         let sample = ProgressSample {
             bytes_done: done,
             total_bytes: total,

@@ -111,6 +111,7 @@ pub async fn restore(args: RestoreArgs) -> i32 {
         access,
         snapshot_id: args.snapshot.clone(),
         target,
+        limit_download_kib: args.limit_download,
     };
     let op = engine(&args.common).restore(req);
     drive(op, &args.common).await

@@ -130,7 +130,14 @@ pub struct ProgressTracker {
     /// (when, n_completed) over the last [`RATE_WINDOW`].
     samples: VecDeque<(Instant, u64)>,
     rate: Option<f64>,
+    /// Since when the reported total has not changed (see [`SCAN_SETTLED`]).
+    total_stable_since: Option<Instant>,
 }
+
+/// restic 0.14 says nothing when its scan ends (`seconds_remaining` appears only while the ETA is
+/// non-zero), so a total that has not moved for this long while bytes flow is taken as final.
+/// Getting it wrong early costs only an optimistic ETA; the total keeps growing if it must.
+pub const SCAN_SETTLED: Duration = Duration::from_secs(2);
 
 impl ProgressTracker {
     pub fn new(direction: Direction, started: SystemTime) -> Self {
@@ -141,6 +148,7 @@ impl ProgressTracker {
             scan_finished: false,
             samples: VecDeque::new(),
             rate: None,
+            total_stable_since: None,
         }
     }
 
@@ -158,9 +166,10 @@ impl ProgressTracker {
     }
 
     /// A total known in advance (restore: the snapshot size from `restic stats`).
-    pub fn set_total(&mut self, total: u64) {
+    pub fn set_total(&mut self, total: u64, now: Instant, wall: SystemTime) {
         self.progress.n_total = self.progress.n_total.max(total);
         self.scan_finished = true;
+        self.refresh(now, wall);
     }
 
     /// The uploader finished its scan: the total is final from now on.
@@ -175,6 +184,15 @@ impl ProgressTracker {
     /// Applies one sample. Returns whether the published value changed.
     pub fn observe(&mut self, sample: &ProgressSample, now: Instant, wall: SystemTime) -> bool {
         let before = (self.progress.n_completed, self.progress.n_total, self.stage);
+        match sample.total_bytes {
+            Some(t) if t == self.progress.n_total && t > 0 => {
+                let since = *self.total_stable_since.get_or_insert(now);
+                if sample.bytes_done > 0 && now.duration_since(since) >= SCAN_SETTLED {
+                    self.scan_finished = true;
+                }
+            }
+            _ => self.total_stable_since = None,
+        }
         if sample.scan_finished {
             self.scan_finished = true;
         }
@@ -284,7 +302,7 @@ impl ProgressTracker {
                 "finalizing: {} processed, {}",
                 format_bytes(p.n_completed),
                 match self.direction {
-                    Direction::Backup => "saving the snapshot",
+                    Direction::Backup => "uploading the remaining data and saving the snapshot",
                     Direction::Restore => "writing the last files",
                 }
             ),

@@ -10,6 +10,8 @@
 use std::ffi::OsString;
 use std::path::PathBuf;
 use std::process::Stdio;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use nix::sys::signal::{Signal, killpg};
@@ -36,6 +38,8 @@ pub struct ChildSpec {
     pub stdout_separators: Separators,
     pub stderr_separators: Separators,
     pub max_frame: usize,
+    /// Receives the child's pid once it runs (for measurements from `/proc`).
+    pub pid_cell: Option<Arc<AtomicU32>>,
 }
 
 impl ChildSpec {
@@ -49,6 +53,7 @@ impl ChildSpec {
             stdout_separators: Separators::Newline,
             stderr_separators: Separators::Newline,
             max_frame: crate::framing::DEFAULT_MAX_FRAME,
+            pid_cell: None,
         }
     }
 
@@ -191,6 +196,9 @@ pub async fn run(
     let pid = child.id().expect("a just-spawned child has a pid");
     let pgid = Pid::from_raw(pid as i32);
     let mut guard = GroupGuard { pgid: Some(pid) };
+    if let Some(cell) = &spec.pid_cell {
+        cell.store(pid, Ordering::Relaxed);
+    }
     tracing::debug!(pid, argv = %spec.display_argv(), "uploader started");
 
     let mut stdout = child.stdout.take().expect("stdout is piped");

@@ -78,6 +78,10 @@ pub struct RunSummary {
     pub total_files: u64,
     /// New data the uploader had to store (backup only).
     pub bytes_added: u64,
+    /// Files found unchanged against the parent snapshot and therefore not read again.
+    pub files_unmodified: u64,
+    pub files_new: u64,
+    pub files_changed: u64,
     /// Entries that could not be read (kopia's `numFailed`).
     pub failed_items: u64,
     /// kopia's `incomplete` reason (`canceled`, `checkpoint`, `limit reached`).
@@ -171,6 +175,8 @@ pub struct RunSummaryView {
     pub total_bytes: u64,
     pub total_files: u64,
     pub bytes_added: u64,
+    /// Files found unchanged against the parent and not read again.
+    pub files_unmodified: u64,
 }
 
 impl From<&RunSummary> for RunSummaryView {
@@ -179,6 +185,7 @@ impl From<&RunSummary> for RunSummaryView {
             total_bytes: s.total_bytes,
             total_files: s.total_files,
             bytes_added: s.bytes_added,
+            files_unmodified: s.files_unmodified,
         }
     }
 }

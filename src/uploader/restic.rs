@@ -191,12 +191,16 @@ pub fn restore(
     access: &RepositoryAccess,
     version: ResticVersion,
     snapshot_id: &str,
+    limit_download_kib: Option<u64>,
     update_interval: Duration,
 ) -> ResticInvocation {
     let mut inv = base(access, Some(update_interval))
         .arg("restore")
         .arg(snapshot_id)
         .arg("--target=.");
+    if let Some(kib) = limit_download_kib {
+        inv = inv.arg(format!("--limit-download={kib}"));
+    }
     if version.has_restore_json() {
         inv = inv.arg("--json");
     }
@@ -290,6 +294,9 @@ struct VerboseStatus {
 #[serde(default)]
 struct Summary {
     // Backup.
+    files_new: u64,
+    files_changed: u64,
+    files_unmodified: u64,
     data_added: u64,
     total_files_processed: u64,
     total_bytes_processed: u64,
@@ -420,6 +427,9 @@ impl ResticParser {
                     total_bytes: s.total_bytes_processed,
                     total_files: s.total_files_processed,
                     bytes_added: s.data_added,
+                    files_new: s.files_new,
+                    files_changed: s.files_changed,
+                    files_unmodified: s.files_unmodified,
                     ..RunSummary::default()
                 },
                 Direction::Restore => RunSummary {
@@ -429,16 +439,16 @@ impl ResticParser {
                     ..RunSummary::default()
                 },
             }),
+            // The scanner only sizes the tree; the archiver reports the same item again when it
+            // fails to read it. Counting both would double every unreadable directory.
+            Message::Error(e) if e.during == "scan" => UploaderEvent::Text(format!(
+                "scan: {}: {}",
+                e.item,
+                describe_error_value(&e.error)
+            )),
             Message::Error(e) => UploaderEvent::ItemError {
                 item: e.item,
-                message: {
-                    let m = describe_error_value(&e.error);
-                    if e.during.is_empty() {
-                        m
-                    } else {
-                        format!("{m} (during {})", e.during)
-                    }
-                },
+                message: describe_error_value(&e.error),
             },
             Message::ExitError(e) => UploaderEvent::Fatal(format!(
                 "{} (exit code {})",
@@ -453,8 +463,12 @@ impl ResticParser {
         if line.is_empty() {
             return UploaderEvent::Ignored;
         }
-        if let Some(rest) = line.strip_prefix("Fatal: ") {
-            return UploaderEvent::Fatal(rest.to_string());
+        // restic may glue "Fatal: ..." to the end of a previous message (no newline between).
+        if let Some(at) = line.find("Fatal: ") {
+            return UploaderEvent::Fatal(line[at + "Fatal: ".len()..].to_string());
+        }
+        if FATAL_WITHOUT_PREFIX.iter().any(|p| line.starts_with(p)) {
+            return UploaderEvent::Fatal(line);
         }
         // 0.14/0.15 restore reports per-file failures only as text.
         if let Some((item, message)) = line
@@ -470,6 +484,9 @@ impl ResticParser {
     }
 }
 
+/// Messages that end a run but that restic 0.14 prints without `Fatal:`.
+const FATAL_WITHOUT_PREFIX: &[&str] = &["unable to create lock in backend", "invalid id "];
+
 /// Text that restic prints on failures, per kind, for versions whose exit code is just 1.
 const WRONG_PASSWORD: &[&str] = &["wrong password or no key found", "no key found"];
 const REPOSITORY_MISSING: &[&str] = &[
@@ -482,6 +499,11 @@ const LOCKED: &[&str] = &[
     "repository is already locked",
 ];
 const SOURCE_MISSING: &[&str] = &["all target directories/files do not exist"];
+/// restic 0.14 refuses to save a snapshot of an empty directory (exit 1); later versions save one.
+const EMPTY_SOURCE: &[&str] = &["snapshot is empty"];
+
+/// What Velero reports for a volume with nothing in it; kept word for word for compatibility.
+pub const EMPTY_VOLUME_MESSAGE: &str = "volume was empty so no snapshot was taken";
 
 /// Classifies how a restic run ended. `cancel_requested`: we asked it to stop.
 pub fn classify(
@@ -506,6 +528,22 @@ pub fn classify(
         _ if has(REPOSITORY_MISSING) => OutcomeKind::RepositoryMissing,
         _ if has(LOCKED) => OutcomeKind::Locked,
         _ if has(SOURCE_MISSING) => OutcomeKind::SourceMissing,
+        _ if mode == Direction::Backup && has(EMPTY_SOURCE) => {
+            return Outcome {
+                kind: OutcomeKind::Success,
+                message: EMPTY_VOLUME_MESSAGE.to_string(),
+                exit_code: exit.code,
+                snapshot_id: None,
+                summary: Some(RunSummaryView {
+                    total_bytes: 0,
+                    total_files: 0,
+                    bytes_added: 0,
+                    files_unmodified: 0,
+                }),
+                failed_items: 0,
+                first_failed_items: Vec::new(),
+            };
+        }
         // 0.17/0.18 sometimes end an interrupted run with exit 1 and "context canceled".
         _ if facts.interrupt_seen && text.contains("context canceled") => OutcomeKind::Interrupted,
         _ => OutcomeKind::Failed,
