@@ -140,6 +140,7 @@ pub fn restore_request(bed: &Bed, snapshot: &str, target: &Path) -> RestoreReque
         access: bed.access(),
         snapshot_id: snapshot.to_string(),
         target: target.to_path_buf(),
+        limit_download_kib: None,
     }
 }
 

@@ -1,0 +1,308 @@
+//! The engine against the real restic on real files: backups, restores, failures, cancel.
+
+mod common;
+
+use std::os::unix::fs::PermissionsExt;
+use std::time::{Duration, Instant};
+
+use common::*;
+use podvolume_agent::engine::EngineConfig;
+use podvolume_agent::operation::Operation;
+use podvolume_agent::progress::OperationProgress;
+use podvolume_agent::uploader::OutcomeKind;
+
+const TIMEOUT: Duration = Duration::from_secs(120);
+
+/// Every distinct progress value the operation published, up to its end.
+async fn watch_to_end(op: &Operation) -> Vec<OperationProgress> {
+    let mut rx = op.subscribe();
+    let mut seen = vec![rx.borrow_and_update().clone()];
+    tokio::time::timeout(TIMEOUT, async {
+        loop {
+            if seen.last().is_some_and(|p| p.completed) {
+                break;
+            }
+            if rx.changed().await.is_err() {
+                break;
+            }
+            seen.push(rx.borrow_and_update().clone());
+        }
+    })
+    .await
+    .expect("operation ends in time");
+    seen
+}
+
+fn assert_progress_invariants(seen: &[OperationProgress]) {
+    let mut last = 0;
+    for p in seen {
+        assert!(p.n_completed >= last, "nCompleted went down: {seen:#?}");
+        assert!(p.n_completed <= p.n_total, "nCompleted > nTotal: {p:?}");
+        assert_eq!(p.operation_units, "bytes");
+        last = p.n_completed;
+    }
+}
+
+fn fill_source(bed: &Bed, big_mib: usize, small: usize) -> u64 {
+    let mut total = 0;
+    write_random(&bed.source.join("big.bin"), big_mib << 20, 1);
+    total += (big_mib << 20) as u64;
+    for i in 0..small {
+        let n = 1000 + i * 37;
+        write_random(&bed.source.join(format!("dir{}/small-{i}.dat", i % 5)), n, i as u64 + 2);
+        total += n as u64;
+    }
+    total
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn full_backup_reports_exact_monotonic_progress_and_the_snapshot() {
+    let bed = Bed::new();
+    let total = fill_source(&bed, 40, 30);
+    bed.init_repo();
+    let engine = engine(Duration::from_millis(200));
+    let op = engine.backup(backup_request(&bed));
+    let seen = watch_to_end(&op).await;
+    let outcome = op.wait().await;
+    assert_eq!(outcome.kind, OutcomeKind::Success, "{outcome:?}");
+    let id = outcome.snapshot_id.clone().expect("snapshot id");
+    assert!(id.len() == 8 || id.len() == 64, "{id}");
+    let summary = outcome.summary.clone().unwrap();
+    assert_eq!(summary.total_bytes, total);
+    assert_progress_invariants(&seen);
+    let last = seen.last().unwrap();
+    assert!(last.completed && last.err.is_empty(), "{last:?}");
+    assert_eq!((last.n_completed, last.n_total), (total, total));
+    assert!(last.description.contains(&id), "{}", last.description);
+    // restic itself lists the snapshot the engine reported.
+    let snaps = bed.restic(&["snapshots", "--json"]);
+    assert!(String::from_utf8_lossy(&snaps.stdout).contains(&id));
+    assert!(bed.locks().is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn incremental_backup_with_a_parent_does_not_read_unchanged_files() {
+    let bed = Bed::new();
+    fill_source(&bed, 8, 20);
+    bed.init_repo();
+    let engine = engine(Duration::from_millis(500));
+    let first = engine.backup(backup_request(&bed)).wait().await;
+    assert_eq!(first.kind, OutcomeKind::Success, "{first:?}");
+    // One new file; everything else untouched.
+    write_random(&bed.source.join("new.bin"), 4096, 99);
+    let mut req = backup_request(&bed);
+    req.options.parent = first.snapshot_id.clone();
+    let second = engine.backup(req).wait().await;
+    assert_eq!(second.kind, OutcomeKind::Success, "{second:?}");
+    let s = second.summary.clone().unwrap();
+    let files_before = first.summary.clone().unwrap().total_files;
+    assert_eq!(s.files_unmodified, files_before, "{s:?}");
+    assert!(s.bytes_added < 1 << 20, "only the new file and metadata are added: {s:?}");
+    assert_ne!(second.snapshot_id, first.snapshot_id);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unreadable_files_give_a_partial_outcome_with_the_snapshot_and_the_items() {
+    let bed = Bed::new();
+    fill_source(&bed, 1, 5);
+    std::fs::write(bed.source.join("secret.txt"), "top secret").unwrap();
+    std::fs::set_permissions(bed.source.join("secret.txt"), std::fs::Permissions::from_mode(0o000)).unwrap();
+    std::fs::create_dir(bed.source.join("locked-dir")).unwrap();
+    std::fs::write(bed.source.join("locked-dir/inside"), "x").unwrap();
+    std::fs::set_permissions(bed.source.join("locked-dir"), std::fs::Permissions::from_mode(0o000)).unwrap();
+    // restic runs as "nobody", which may read the tree but not those two entries.
+    std::fs::set_permissions(bed.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
+    let wrapper = bed.path().join("restic-as-nobody");
+    std::fs::write(
+        &wrapper,
+        "#!/bin/sh\nexec setpriv --reuid=65534 --regid=65534 --clear-groups restic \"$@\"\n",
+    )
+    .unwrap();
+    std::fs::set_permissions(&wrapper, std::fs::Permissions::from_mode(0o755)).unwrap();
+    std::fs::set_permissions(&bed.password_file, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let engine = podvolume_agent::engine::Engine::new(EngineConfig {
+        restic_binary: wrapper,
+        update_interval: Duration::from_millis(500),
+        lock_wait: Duration::ZERO,
+        ..EngineConfig::default()
+    });
+    // The repository is created by the engine (as nobody), so nobody can write to it.
+    let outcome = engine.backup(backup_request(&bed)).wait().await;
+    assert_eq!(outcome.kind, OutcomeKind::Partial, "{outcome:?}");
+    assert_eq!(outcome.exit_code, Some(3));
+    let id = outcome.snapshot_id.clone().expect("the snapshot is kept");
+    assert_eq!(outcome.failed_items, 2, "{outcome:?}");
+    let names: Vec<&str> = outcome.first_failed_items.iter().map(|i| i.item.as_str()).collect();
+    assert!(names.iter().any(|n| n.ends_with("secret.txt")), "{names:?}");
+    assert!(names.iter().any(|n| n.ends_with("locked-dir")), "{names:?}");
+    assert!(outcome.message.contains(&id) && outcome.message.contains("2 items could not be read"), "{}", outcome.message);
+    assert!(outcome.message.contains("permission denied"), "{}", outcome.message);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wrong_password_is_recognised() {
+    let bed = Bed::new();
+    fill_source(&bed, 1, 1);
+    bed.init_repo();
+    let mut req = backup_request(&bed);
+    req.access = bed.access_with_password("not the password");
+    let outcome = engine(Duration::from_secs(1)).backup(req).wait().await;
+    assert_eq!(outcome.kind, OutcomeKind::WrongPassword, "{outcome:?}");
+    assert!(outcome.message.contains("wrong password"), "{}", outcome.message);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn missing_repository_is_reported_or_initialised() {
+    let bed = Bed::new();
+    fill_source(&bed, 1, 3);
+    let strict = podvolume_agent::engine::Engine::new(EngineConfig {
+        init_missing_repository: false,
+        lock_wait: Duration::ZERO,
+        ..EngineConfig::default()
+    });
+    let outcome = strict.backup(backup_request(&bed)).wait().await;
+    assert_eq!(outcome.kind, OutcomeKind::RepositoryMissing, "{outcome:?}");
+    assert!(outcome.message.contains("Is there a repository") || outcome.message.contains("config"), "{}", outcome.message);
+    assert!(!bed.repo.join("config").exists());
+
+    let outcome = engine(Duration::from_secs(1)).backup(backup_request(&bed)).wait().await;
+    assert_eq!(outcome.kind, OutcomeKind::Success, "{outcome:?}");
+    assert!(bed.repo.join("config").exists());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn empty_directory_completes_without_a_snapshot() {
+    let bed = Bed::new();
+    bed.init_repo();
+    let op = engine(Duration::from_secs(1)).backup(backup_request(&bed));
+    let outcome = op.wait().await;
+    assert_eq!(outcome.kind, OutcomeKind::Success, "{outcome:?}");
+    assert_eq!(outcome.snapshot_id, None);
+    assert_eq!(outcome.message, "volume was empty so no snapshot was taken");
+    let p = op.progress();
+    assert!(p.completed && p.err.is_empty() && p.n_total == 0, "{p:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancel_mid_backup_stops_the_group_and_leaves_no_lock() {
+    let bed = Bed::new();
+    fill_source(&bed, 60, 3);
+    bed.init_repo();
+    let engine = engine(Duration::from_millis(200));
+    let mut req = backup_request(&bed);
+    req.options.limit_upload_kib = Some(1024);
+    let op = engine.backup(req);
+    // Wait until restic is really running (first progress), then cancel.
+    let mut rx = op.subscribe();
+    tokio::time::timeout(TIMEOUT, async {
+        while rx.borrow_and_update().n_total == 0 {
+            rx.changed().await.unwrap();
+        }
+    })
+    .await
+    .unwrap();
+    assert!(!bed.own_processes().is_empty(), "restic should be running");
+    let started = Instant::now();
+    let outcome = op.cancel().await;
+    let took = started.elapsed();
+    assert_eq!(outcome.kind, OutcomeKind::Canceled, "{outcome:?}");
+    assert!(bed.own_processes().is_empty(), "left behind: {:?}", bed.own_processes());
+    assert!(bed.locks().is_empty(), "locks left: {:?}", bed.locks());
+    let p = op.progress();
+    assert!(p.completed && p.err == "canceled", "{p:?}");
+    // Idempotent and a no-op after the end.
+    let again = op.cancel().await;
+    assert_eq!(again.kind, OutcomeKind::Canceled);
+    eprintln!("cancel took {took:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancel_kills_grandchildren_and_a_straggler_does_not_hold_the_run() {
+    let bed = Bed::new();
+    fill_source(&bed, 30, 2);
+    bed.init_repo();
+    // A wrapper that leaves a long-lived grandchild holding the pipes, as a shell or a backend
+    // helper might.
+    let wrapper = bed.path().join("restic-with-helper");
+    let pidfile = bed.path().join("helper.pid");
+    std::fs::write(
+        &wrapper,
+        format!("#!/bin/sh\nsleep 600 &\necho $! > {}\nexec restic \"$@\"\n", pidfile.display()),
+    )
+    .unwrap();
+    std::fs::set_permissions(&wrapper, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let engine = podvolume_agent::engine::Engine::new(EngineConfig {
+        restic_binary: wrapper,
+        update_interval: Duration::from_millis(200),
+        cancel_grace: Duration::from_secs(3),
+        lock_wait: Duration::ZERO,
+        ..EngineConfig::default()
+    });
+    let alive = |pid: &str| {
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .map(|s| !s.rsplit(')').next().unwrap_or("").trim_start().starts_with('Z'))
+            .unwrap_or(false)
+    };
+
+    // A normal run ends although the helper keeps the pipes open, and the helper is gone.
+    let outcome = tokio::time::timeout(TIMEOUT, engine.backup(backup_request(&bed)).wait()).await.unwrap();
+    assert_eq!(outcome.kind, OutcomeKind::Success, "{outcome:?}");
+    let helper = std::fs::read_to_string(&pidfile).unwrap().trim().to_string();
+    assert!(!alive(&helper), "helper {helper} survived a finished run");
+
+    // A canceled run: the whole group is gone when cancel returns.
+    let mut req = backup_request(&bed);
+    req.options.limit_upload_kib = Some(512);
+    write_random(&bed.source.join("more.bin"), 20 << 20, 7);
+    let op = engine.backup(req);
+    let mut rx = op.subscribe();
+    tokio::time::timeout(TIMEOUT, async {
+        while rx.borrow_and_update().n_total == 0 {
+            rx.changed().await.unwrap();
+        }
+    })
+    .await
+    .unwrap();
+    let helper = std::fs::read_to_string(&pidfile).unwrap().trim().to_string();
+    assert!(alive(&helper));
+    let outcome = op.cancel().await;
+    assert_eq!(outcome.kind, OutcomeKind::Canceled, "{outcome:?}");
+    assert!(!alive(&helper), "grandchild {helper} outlived cancel");
+    assert!(bed.own_processes().is_empty(), "{:?}", bed.own_processes());
+    assert!(bed.locks().is_empty(), "{:?}", bed.locks());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restore_into_another_directory_is_byte_identical_with_progress() {
+    let bed = Bed::new();
+    let total = fill_source(&bed, 30, 25);
+    bed.init_repo();
+    let engine = engine(Duration::from_millis(200));
+    let backup = engine.backup(backup_request(&bed)).wait().await;
+    let id = backup.snapshot_id.clone().unwrap();
+    let target = bed.path().join("restored");
+    std::fs::create_dir(&target).unwrap();
+    let mut req = restore_request(&bed, &id, &target);
+    req.limit_download_kib = Some(15_000);
+    let op = engine.restore(req);
+    let seen = watch_to_end(&op).await;
+    let outcome = op.wait().await;
+    assert_eq!(outcome.kind, OutcomeKind::Success, "{outcome:?}");
+    assert_same_tree(&bed.source, &target);
+    assert_progress_invariants(&seen);
+    let last = seen.last().unwrap();
+    assert_eq!((last.n_completed, last.n_total), (total, total));
+    let intermediate = seen.iter().filter(|p| p.n_completed > 0 && p.n_completed < total).count();
+    assert!(intermediate >= 1, "no intermediate restore progress: {seen:#?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unknown_snapshot_fails_with_restics_words() {
+    let bed = Bed::new();
+    bed.init_repo();
+    let target = bed.path().join("restored");
+    std::fs::create_dir(&target).unwrap();
+    let outcome = engine(Duration::from_secs(1)).restore(restore_request(&bed, "deadbeef", &target)).wait().await;
+    assert_eq!(outcome.kind, OutcomeKind::Failed, "{outcome:?}");
+    assert!(outcome.message.contains("no matching ID found"), "{}", outcome.message);
+}
