@@ -279,6 +279,7 @@ impl Engine {
         let parser = restic::ResticParser::new(Direction::Backup);
         let parse = move |_s: Stream, l: &[u8]| parser.parse(l);
         let mut initialised = false;
+        let mut unlocked = false;
         let lock_deadline = Instant::now() + self.cfg.lock_wait;
         let mut backoff = Duration::from_secs(2);
         loop {
@@ -314,6 +315,13 @@ impl Engine {
                         };
                     }
                     initialised = true;
+                }
+                // A lock left by a dead restic (this host, or older than 30 min) is removed by
+                // `restic unlock`, which never touches a live holder's lock: try that once.
+                OutcomeKind::Locked if !unlocked => {
+                    tracing::info!(cause = %outcome.message, "repository is locked; removing stale locks and retrying");
+                    self.restic_unlock(&req.access).await;
+                    unlocked = true;
                 }
                 // restic >= 0.16 waits itself (--retry-lock); older ones are retried here.
                 OutcomeKind::Locked

@@ -306,3 +306,44 @@ async fn unknown_snapshot_fails_with_restics_words() {
     assert_eq!(outcome.kind, OutcomeKind::Failed, "{outcome:?}");
     assert!(outcome.message.contains("no matching ID found"), "{}", outcome.message);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stale_lock_is_removed_and_a_live_one_is_reported_with_its_holder() {
+    let bed = Bed::new();
+    fill_source(&bed, 20, 3);
+    bed.init_repo();
+    let first = engine(Duration::from_secs(1)).backup(backup_request(&bed)).wait().await;
+    assert_eq!(first.kind, OutcomeKind::Success, "{first:?}");
+
+    // A live exclusive lock: `restic check --read-data`, slowed, holds one while it runs.
+    let holder = std::process::Command::new("restic")
+        .args(["check", "--read-data", "--limit-download", "64"])
+        .env("RESTIC_REPOSITORY", &bed.repo)
+        .env("RESTIC_PASSWORD_FILE", &bed.password_file)
+        .env("RESTIC_CACHE_DIR", &bed.cache)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while bed.locks().is_empty() && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(!bed.locks().is_empty(), "check did not take its lock");
+    let outcome = engine(Duration::from_secs(1)).backup(backup_request(&bed)).wait().await;
+    assert_eq!(outcome.kind, OutcomeKind::Locked, "{outcome:?}");
+    assert!(
+        outcome.message.contains(&format!("locked exclusively by PID {}", holder.id())),
+        "the holder is named: {}",
+        outcome.message
+    );
+
+    // The holder dies without cleaning up: its lock is stale and the next backup removes it.
+    let mut holder = holder;
+    holder.kill().unwrap();
+    holder.wait().unwrap();
+    assert!(!bed.locks().is_empty(), "SIGKILL should leave the lock behind");
+    let outcome = engine(Duration::from_secs(1)).backup(backup_request(&bed)).wait().await;
+    assert_eq!(outcome.kind, OutcomeKind::Success, "{outcome:?}");
+    assert!(bed.locks().is_empty());
+}

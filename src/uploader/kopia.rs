@@ -310,6 +310,7 @@ const FATAL_PHRASES: &[&str] = &[
     "unable to open repository",
     "error connecting to repository",
     "cannot access storage path",
+    "can't connect to storage",
     "unable to get local filesystem entry",
 ];
 
