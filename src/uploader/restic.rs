@@ -354,6 +354,17 @@ fn describe_error_value(v: &serde_json::Value) -> String {
     }
 }
 
+fn untyped_json(record: &[u8]) -> bool {
+    #[derive(Deserialize)]
+    struct Typed {
+        message_type: Option<serde::de::IgnoredAny>,
+    }
+    matches!(
+        serde_json::from_slice::<Typed>(record),
+        Ok(Typed { message_type: None })
+    )
+}
+
 /// Stateless-per-record parser for restic's output.
 #[derive(Debug, Clone, Copy)]
 pub struct ResticParser {
@@ -371,10 +382,8 @@ impl ResticParser {
         if trimmed.first() == Some(&b'{') {
             return match serde_json::from_slice::<Message>(trimmed) {
                 Ok(msg) => self.event(msg),
-                Err(_) if serde_json::from_slice::<serde::de::IgnoredAny>(trimmed).is_ok() => {
-                    // Valid JSON that is not a message we know (no message_type): not ours to judge.
-                    UploaderEvent::Ignored
-                }
+                // Valid JSON without a message type (a document such as `stats --json`): not ours.
+                Err(_) if untyped_json(trimmed) => UploaderEvent::Ignored,
                 Err(e) => UploaderEvent::Malformed(format!(
                     "unparsable JSON record of {} bytes ({e})",
                     trimmed.len()

@@ -1,0 +1,391 @@
+//! The restic parser and classifier over output captured from the real restic 0.14.0
+//! (`testdata/restic/`, see its README), plus the documented formats of later versions.
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant, SystemTime};
+
+use podvolume_agent::facts::RunFacts;
+use podvolume_agent::framing::{DEFAULT_MAX_FRAME, OwnedFrame, Separators, frame_all};
+use podvolume_agent::progress::ProgressTracker;
+use podvolume_agent::uploader::restic::{self, ResticParser, ResticVersion};
+use podvolume_agent::uploader::{Direction, ExitInfo, Outcome, OutcomeKind, Stream, UploaderEvent};
+
+fn fixture(name: &str) -> Vec<u8> {
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("testdata/restic")
+        .join(name);
+    std::fs::read(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
+}
+
+fn exit_of(case: &str) -> ExitInfo {
+    let n: i32 = String::from_utf8(fixture(&format!("{case}.exit")))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    // The capture script records "killed by signal N" as -N.
+    if n < 0 {
+        ExitInfo {
+            code: None,
+            signal: Some(-n),
+        }
+    } else {
+        ExitInfo::code(n)
+    }
+}
+
+struct Replay {
+    events: Vec<(Stream, UploaderEvent)>,
+    facts: RunFacts,
+    tracker: ProgressTracker,
+    /// (nCompleted, nTotal) after each progress event.
+    progress: Vec<(u64, u64)>,
+}
+
+fn replay(case: &str, direction: Direction) -> Replay {
+    let parser = ResticParser::new(direction);
+    let mut r = Replay {
+        events: Vec::new(),
+        facts: RunFacts::default(),
+        tracker: ProgressTracker::new(direction, SystemTime::now()),
+        progress: Vec::new(),
+    };
+    let t0 = Instant::now();
+    for (stream, file) in [(Stream::Stdout, "stdout"), (Stream::Stderr, "stderr")] {
+        let data = fixture(&format!("{case}.{file}"));
+        for (i, frame) in frame_all(&data, Separators::Newline, DEFAULT_MAX_FRAME)
+            .into_iter()
+            .enumerate()
+        {
+            let event = match frame {
+                OwnedFrame::Line(l) => parser.parse(&l),
+                OwnedFrame::Truncated { len } => UploaderEvent::Truncated { len },
+            };
+            if let UploaderEvent::Progress(s) = &event {
+                r.tracker.observe(
+                    s,
+                    t0 + Duration::from_millis(500 * i as u64),
+                    SystemTime::now(),
+                );
+                let p = r.tracker.progress();
+                r.progress.push((p.n_completed, p.n_total));
+            }
+            r.facts.observe(stream, &event);
+            r.events.push((stream, event));
+        }
+    }
+    r
+}
+
+fn classify(case: &str, direction: Direction, cancel_requested: bool) -> (Replay, Outcome) {
+    let r = replay(case, direction);
+    let o = restic::classify(exit_of(case), &r.facts, cancel_requested, direction);
+    (r, o)
+}
+
+fn assert_monotonic(r: &Replay) {
+    let mut last = 0;
+    for &(done, total) in &r.progress {
+        assert!(done >= last && done <= total, "{:?}", r.progress);
+        last = done;
+    }
+}
+
+const BACKUPS: &[&str] = &[
+    "backup-full",
+    "backup-full-defaultfps",
+    "backup-incremental",
+    "backup-incremental-changed",
+    "backup-large-defaultfps",
+    "backup-large-fps2",
+    "backup-large-fps0.5",
+    "backup-verbose",
+    "backup-verbose-vv",
+];
+
+#[test]
+fn every_captured_backup_parses_cleanly_and_ends_at_the_summary_size() {
+    for case in BACKUPS {
+        let (r, outcome) = classify(case, Direction::Backup, false);
+        assert!(
+            !r.events.iter().any(|(_, e)| matches!(
+                e,
+                UploaderEvent::Malformed(_) | UploaderEvent::Truncated { .. }
+            )),
+            "{case}: unparsed records"
+        );
+        assert_eq!(outcome.kind, OutcomeKind::Success, "{case}: {outcome:?}");
+        let id = outcome.snapshot_id.clone().expect("snapshot id");
+        assert_eq!(id.len(), 8, "0.14 prints short ids");
+        assert_monotonic(&r);
+        let summary = r.facts.summary.clone().unwrap();
+        assert!(summary.total_bytes > 0);
+        // The last status never exceeds the summary's size.
+        if let Some(&(done, _)) = r.progress.last() {
+            assert!(done <= summary.total_bytes, "{case}");
+        }
+    }
+}
+
+#[test]
+fn incremental_summaries_count_unmodified_files() {
+    let r = replay("backup-incremental", Direction::Backup);
+    let s = r.facts.summary.unwrap();
+    assert!(s.files_unmodified > 0 && s.files_new == 0, "{s:?}");
+    let r = replay("backup-incremental-changed", Direction::Backup);
+    let s = r.facts.summary.unwrap();
+    assert!(s.files_changed + s.files_new > 0, "{s:?}");
+}
+
+#[test]
+fn verbose_output_reports_the_end_of_the_scan() {
+    // restic 0.14 types scan_finished as "status" carrying an action.
+    let r = replay("backup-verbose", Direction::Backup);
+    assert!(
+        r.events
+            .iter()
+            .any(|(_, e)| matches!(e, UploaderEvent::ScanFinished { .. }))
+    );
+}
+
+#[test]
+fn exit_3_is_partial_with_the_snapshot_and_each_unreadable_item_once() {
+    let (r, o) = classify("backup-partial", Direction::Backup, false);
+    assert_eq!(o.kind, OutcomeKind::Partial, "{o:?}");
+    assert!(o.snapshot_id.is_some());
+    assert_eq!(r.facts.failed_items, 2, "{:?}", r.facts.first_failed_items);
+    assert!(
+        o.message.contains("2 items could not be read"),
+        "{}",
+        o.message
+    );
+    assert!(
+        o.message
+            .contains("secret.txt (open secret.txt: permission denied)"),
+        "{}",
+        o.message
+    );
+}
+
+#[test]
+fn failures_are_classified_from_restic_014_text() {
+    let cases = [
+        (
+            "wrong-password",
+            OutcomeKind::WrongPassword,
+            "wrong password or no key found",
+        ),
+        (
+            "repo-missing",
+            OutcomeKind::RepositoryMissing,
+            "Is there a repository at the following location?",
+        ),
+        (
+            "repo-missing-emptydir",
+            OutcomeKind::RepositoryMissing,
+            "unable to open config file",
+        ),
+        (
+            "cat-config-missing",
+            OutcomeKind::RepositoryMissing,
+            "unable to open config file",
+        ),
+        (
+            "cat-config-wrong-password",
+            OutcomeKind::WrongPassword,
+            "wrong password",
+        ),
+        (
+            "locked",
+            OutcomeKind::Locked,
+            "repository is already locked exclusively by PID",
+        ),
+        (
+            "source-missing",
+            OutcomeKind::SourceMissing,
+            "all target directories/files do not exist",
+        ),
+        (
+            "backend-down",
+            OutcomeKind::Failed,
+            "unable to save snapshot",
+        ),
+    ];
+    for (case, kind, words) in cases {
+        let (_, o) = classify(case, Direction::Backup, false);
+        assert_eq!(o.kind, kind, "{case}: {o:?}");
+        assert!(o.message.contains(words), "{case}: {}", o.message);
+        assert!(!o.message.contains('\u{1b}'), "ANSI left in {case}");
+    }
+}
+
+#[test]
+fn the_lock_message_names_the_holder_and_when() {
+    let (_, o) = classify("locked", Direction::Backup, false);
+    assert!(o.message.contains("lock was created at"), "{}", o.message);
+}
+
+#[test]
+fn empty_source_is_velero_s_empty_volume() {
+    let (_, o) = classify("empty-dir", Direction::Backup, false);
+    assert_eq!(o.kind, OutcomeKind::Success);
+    assert_eq!(o.snapshot_id, None);
+    assert_eq!(o.message, restic::EMPTY_VOLUME_MESSAGE);
+}
+
+#[test]
+fn signals() {
+    let (r, o) = classify("sigint", Direction::Backup, false);
+    assert!(
+        r.facts.interrupt_seen,
+        "the ANSI-prefixed interrupt line is recognised"
+    );
+    assert_eq!(o.kind, OutcomeKind::Interrupted);
+    let (_, o) = classify("sigint", Direction::Backup, true);
+    assert_eq!(o.kind, OutcomeKind::Canceled);
+    let (_, o) = classify("sigterm", Direction::Backup, false);
+    assert_eq!(o.kind, OutcomeKind::KilledBySignal { signal: 15 });
+}
+
+#[test]
+fn restores_on_014() {
+    let (_, o) = classify("restore", Direction::Restore, false);
+    assert_eq!(o.kind, OutcomeKind::Success);
+    let (_, o) = classify("restore-missing-snapshot", Direction::Restore, false);
+    assert_eq!(o.kind, OutcomeKind::Failed);
+    assert!(
+        o.message.contains("no matching ID found for prefix"),
+        "{}",
+        o.message
+    );
+    let (total, files) = restic::parse_stats(&fixture("stats-restore-size.stdout")).unwrap();
+    assert!(total > 0 && files > 0);
+}
+
+#[test]
+fn version_detection() {
+    let v = ResticVersion::parse(&String::from_utf8(fixture("version.stdout")).unwrap()).unwrap();
+    assert_eq!(v, ResticVersion::new(0, 14, 0));
+    assert!(!v.has_restore_json() && !v.has_retry_lock() && !v.handles_sigterm());
+    let json = r#"{"message_type":"version","version":"0.17.3","go_version":"go1.23","go_os":"linux","go_arch":"amd64"}"#;
+    assert_eq!(
+        ResticVersion::parse(json),
+        Some(ResticVersion::new(0, 17, 3))
+    );
+    assert_eq!(
+        ResticVersion::parse("restic 0.18.0-dev (compiled manually)"),
+        Some(ResticVersion::new(0, 18, 0))
+    );
+    assert_eq!(ResticVersion::parse("garbage"), None);
+}
+
+/// Formats of later versions, from the reference (no such restic can be installed here).
+#[test]
+fn later_versions_formats_and_exit_codes() {
+    let p = ResticParser::new(Direction::Backup);
+    let mut facts = RunFacts::default();
+    let lines = [
+        (
+            Stream::Stdout,
+            r#"{"message_type":"status","percent_done":0.5,"seconds_remaining":3,"total_bytes":100,"bytes_done":50,"unknown_future_field":[1,2]}"#,
+        ),
+        (
+            Stream::Stderr,
+            r#"{"message_type":"error","error":{"message":"open /v/a: permission denied"},"during":"archival","item":"/v/a"}"#,
+        ),
+        (Stream::Stdout, r#"{"message_type":"brand_new_type","x":1}"#),
+        (
+            Stream::Stdout,
+            r#"{"message_type":"summary","total_bytes_processed":100,"total_files_processed":2,"data_added_packed":10,"backup_start":"2025-01-01T00:00:00Z","snapshot_id":"0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef"}"#,
+        ),
+        (
+            Stream::Stderr,
+            r#"{"message_type":"exit_error","code":3,"message":"Warning: at least one source file could not be read\n"}"#,
+        ),
+    ];
+    let mut saw_progress = false;
+    for (s, l) in lines {
+        let e = p.parse(l.as_bytes());
+        if let UploaderEvent::Progress(sample) = &e {
+            assert!(sample.scan_finished && sample.bytes_done == 50);
+            saw_progress = true;
+        }
+        assert!(!matches!(e, UploaderEvent::Malformed(_)), "{l}");
+        facts.observe(s, &e);
+    }
+    assert!(saw_progress);
+    let o = restic::classify(ExitInfo::code(3), &facts, false, Direction::Backup);
+    assert_eq!(o.kind, OutcomeKind::Partial);
+    assert_eq!(o.snapshot_id.as_deref().map(str::len), Some(64));
+    assert!(
+        o.message.contains("/v/a (open /v/a: permission denied)"),
+        "{}",
+        o.message
+    );
+
+    for (code, kind) in [
+        (10, OutcomeKind::RepositoryMissing),
+        (11, OutcomeKind::Locked),
+        (12, OutcomeKind::WrongPassword),
+        (130, OutcomeKind::Interrupted),
+        (2, OutcomeKind::Failed),
+        (77, OutcomeKind::Failed),
+    ] {
+        let mut f = RunFacts::default();
+        f.observe(
+            Stream::Stderr,
+            &p.parse(
+                format!(r#"{{"message_type":"exit_error","code":{code},"message":"the cause"}}"#)
+                    .as_bytes(),
+            ),
+        );
+        let o = restic::classify(ExitInfo::code(code), &f, false, Direction::Backup);
+        assert_eq!(o.kind, kind, "exit {code}");
+        assert!(
+            o.message.contains("the cause"),
+            "exit {code}: {}",
+            o.message
+        );
+    }
+    // Exit 0 without a summary is not a confirmed snapshot.
+    let o = restic::classify(
+        ExitInfo::code(0),
+        &RunFacts::default(),
+        false,
+        Direction::Backup,
+    );
+    assert_eq!(o.kind, OutcomeKind::Failed);
+}
+
+#[test]
+fn restore_json_of_later_versions() {
+    let p = ResticParser::new(Direction::Restore);
+    match p.parse(br#"{"message_type":"status","seconds_elapsed":1,"percent_done":0.25,"total_files":4,"files_restored":1,"total_bytes":400,"bytes_restored":100}"#) {
+        UploaderEvent::Progress(s) => assert_eq!((s.bytes_done, s.total_bytes), (100, Some(400))),
+        other => panic!("{other:?}"),
+    }
+    // A bare summary is valid.
+    assert!(matches!(
+        p.parse(br#"{"message_type":"summary"}"#),
+        UploaderEvent::Summary(_)
+    ));
+}
+
+#[test]
+fn malformed_and_hostile_records_are_reported_not_fatal() {
+    let p = ResticParser::new(Direction::Backup);
+    assert!(matches!(
+        p.parse(br#"{"message_type":"status","bytes_done":"#),
+        UploaderEvent::Malformed(_)
+    ));
+    // A negative or fractional byte count is not a u64: the record is reported, not misread.
+    assert!(matches!(
+        p.parse(br#"{"message_type":"status","bytes_done":-5}"#),
+        UploaderEvent::Malformed(_)
+    ));
+    assert!(matches!(
+        p.parse(b"\xff\xfe garbage \x1b[31m"),
+        UploaderEvent::Text(_)
+    ));
+    assert!(matches!(p.parse(b"   "), UploaderEvent::Ignored));
+}
