@@ -1,0 +1,229 @@
+//! The one-shot CLI as a user runs it: the real binary, the real restic, real signals.
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::*;
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+use podvolume_agent::progress::OperationProgress;
+
+fn agent(bed: &Bed, args: &[&str]) -> Command {
+    let mut c = Command::new(agent_bin());
+    c.args(args)
+        .arg("--repo")
+        .arg(&bed.repo)
+        .arg("--password-file")
+        .arg(&bed.password_file)
+        .arg("--cache-dir")
+        .arg(&bed.cache)
+        .stdin(Stdio::null());
+    c
+}
+
+fn parse_lines(stdout: &[u8]) -> Vec<OperationProgress> {
+    String::from_utf8_lossy(stdout)
+        .lines()
+        .map(|l| {
+            serde_json::from_str(l)
+                .unwrap_or_else(|e| panic!("not OperationProgress JSON: {l}: {e}"))
+        })
+        .collect()
+}
+
+#[test]
+fn json_backup_prints_monotonic_progress_ending_at_the_summary_size() {
+    let bed = Bed::new();
+    write_random(&bed.source.join("a.bin"), 120 << 20, 1);
+    write_random(&bed.source.join("b/c.bin"), 30 << 20, 2);
+    let out = agent(&bed, &["backup", "--json", "--update-interval", "200ms"])
+        .arg(&bed.source)
+        .output()
+        .unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let lines = parse_lines(&out.stdout);
+    let last = lines.last().unwrap();
+    assert!(last.completed && last.err.is_empty(), "{last:?}");
+    let total = (150u64) << 20;
+    assert_eq!((last.n_completed, last.n_total), (total, total));
+    let mut prev = 0;
+    for p in &lines {
+        assert!(
+            p.n_completed >= prev && p.n_completed <= p.n_total,
+            "{lines:#?}"
+        );
+        prev = p.n_completed;
+    }
+    assert!(
+        lines.iter().filter(|p| !p.completed).count() >= 2,
+        "intermediate lines: {lines:#?}"
+    );
+    // The snapshot the summary reports is in the repository; its size matches.
+    let snaps = bed.restic(&["snapshots", "--json"]);
+    let snaps: serde_json::Value = serde_json::from_slice(&snaps.stdout).unwrap();
+    let id = snaps[0]["short_id"].as_str().unwrap();
+    assert!(last.description.contains(id), "{}", last.description);
+}
+
+fn wait_for_progress(child: &mut std::process::Child) -> Vec<OperationProgress> {
+    let stdout = child.stdout.take().unwrap();
+    let mut reader = BufReader::new(stdout);
+    let mut seen = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut line = String::new();
+    while Instant::now() < deadline {
+        line.clear();
+        if reader.read_line(&mut line).unwrap() == 0 {
+            break;
+        }
+        let p: OperationProgress = serde_json::from_str(line.trim()).unwrap();
+        let moving = p.n_completed > 0;
+        seen.push(p);
+        if moving {
+            break;
+        }
+    }
+    // Keep draining in the background so the agent never blocks on its stdout.
+    std::thread::spawn(move || {
+        let mut sink = String::new();
+        while reader.read_line(&mut sink).map(|n| n > 0).unwrap_or(false) {
+            sink.clear();
+        }
+    });
+    seen
+}
+
+fn interrupted_backup_stops_cleanly(sig: Signal) {
+    let bed = Bed::new();
+    write_random(&bed.source.join("a.bin"), 80 << 20, 3);
+    bed.init_repo();
+    let grace = Duration::from_secs(4);
+    let mut child = agent(
+        &bed,
+        &[
+            "backup",
+            "--json",
+            "--update-interval",
+            "200ms",
+            "--cancel-grace",
+            "4s",
+            "--limit-upload",
+            "2048",
+        ],
+    )
+    .arg(&bed.source)
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped())
+    .spawn()
+    .unwrap();
+    let seen = wait_for_progress(&mut child);
+    assert!(
+        seen.iter().any(|p| p.n_completed > 0),
+        "backup never moved: {seen:?}"
+    );
+    assert!(!bed.own_processes().is_empty());
+    let t = Instant::now();
+    kill(Pid::from_raw(child.id() as i32), sig).unwrap();
+    let status = child.wait().unwrap();
+    let took = t.elapsed();
+    assert_eq!(status.code(), Some(130), "exit code after {sig}");
+    // SIGINT first, SIGKILL after the grace period, then `restic unlock`: bounded by the grace
+    // plus the unlock, not by restic finishing its uploads.
+    assert!(
+        took < grace + Duration::from_secs(10),
+        "stopping took {took:?}"
+    );
+    assert!(
+        bed.own_processes().is_empty(),
+        "left behind: {:?}",
+        bed.own_processes()
+    );
+    assert!(bed.locks().is_empty(), "locks left: {:?}", bed.locks());
+}
+
+#[test]
+fn sigint_mid_backup_exits_130_with_no_process_and_no_lock() {
+    interrupted_backup_stops_cleanly(Signal::SIGINT);
+}
+
+#[test]
+fn sigterm_mid_backup_exits_130_with_no_process_and_no_lock() {
+    interrupted_backup_stops_cleanly(Signal::SIGTERM);
+}
+
+#[test]
+fn backup_then_restore_round_trips_byte_for_byte() {
+    let bed = Bed::new();
+    write_random(&bed.source.join("data/one.bin"), 3 << 20, 4);
+    write_random(&bed.source.join("data/two.bin"), 12345, 5);
+    std::fs::write(bed.source.join("hello.txt"), "hello\n").unwrap();
+    let out = agent(&bed, &["backup"]).arg(&bed.source).output().unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // Without --json and without a terminal: the snapshot ID on stdout for scripts.
+    let id = String::from_utf8(out.stdout).unwrap().trim().to_string();
+    assert_eq!(id.len(), 8, "{id:?}");
+    let target = bed.path().join("restored");
+    let target_arg = format!("--target={}", target.display());
+    let out = agent(&bed, &["restore", "--json", &target_arg])
+        .arg(&id)
+        .output()
+        .unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let last = parse_lines(&out.stdout).pop().unwrap();
+    assert!(
+        last.completed && last.n_completed == last.n_total && last.n_total == (3 << 20) + 12345 + 6
+    );
+    assert_same_tree(&bed.source, &target);
+}
+
+#[test]
+fn clear_errors_for_bad_input() {
+    let bed = Bed::new();
+    // Missing password file: a usage error naming the file, before anything runs.
+    let out = Command::new(agent_bin())
+        .args(["backup", "--repo"])
+        .arg(&bed.repo)
+        .args(["--password-file", "/nonexistent/pw"])
+        .arg(&bed.source)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("/nonexistent/pw"));
+    // A source that does not exist.
+    let out = agent(&bed, &["backup", "--json"])
+        .arg(bed.path().join("nope"))
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let last = parse_lines(&out.stdout).pop().unwrap();
+    assert!(last.completed && last.err.contains("nope"), "{last:?}");
+    // --no-init on a missing repository.
+    write_random(&bed.source.join("x"), 10, 1);
+    let out = agent(&bed, &["backup", "--no-init"])
+        .arg(&bed.source)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("Is there a repository"), "{err}");
+    // The password never appears in anything the agent prints.
+    assert!(!err.contains("correct horse"));
+}
