@@ -192,15 +192,19 @@ impl TestApiServer {
         self.kubeconfig_path.clone()
     }
 
-    /// A `kube::Client` built from the generated kubeconfig.
-    pub async fn client(&self) -> kube::Client {
+    /// The `kube::Config` of the generated kubeconfig (to adjust, e.g. `default_retry`).
+    pub async fn config(&self) -> kube::Config {
         let kc = kube::config::Kubeconfig::read_from(&self.kubeconfig_path)
             .expect("read the testbed kubeconfig");
-        let config =
-            kube::Config::from_custom_kubeconfig(kc, &kube::config::KubeConfigOptions::default())
-                .await
-                .expect("testbed kubeconfig is valid");
-        kube::Client::try_from(config).expect("build a kube client for the testbed")
+        kube::Config::from_custom_kubeconfig(kc, &kube::config::KubeConfigOptions::default())
+            .await
+            .expect("testbed kubeconfig is valid")
+    }
+
+    /// A `kube::Client` built from the generated kubeconfig. Note that kube's default client
+    /// retries 429/503/504 answers by itself (`Config::default_retry`).
+    pub async fn client(&self) -> kube::Client {
+        kube::Client::try_from(self.config().await).expect("build a kube client for the testbed")
     }
 
     // ----- CRDs -----

@@ -778,10 +778,9 @@ impl ResourceRequest {
             let res = &self.res;
             let version = self.version.clone();
             let line = |etype: &str, obj: Value| -> Bytes {
-                let mut v =
-                    serde_json::to_vec(&json!({"type": etype, "object": obj})).unwrap_or_default();
-                v.push(b'\n');
-                Bytes::from(v)
+                // `type` first, like the real server's encoder.
+                let obj = serde_json::to_string(&obj).unwrap_or_default();
+                Bytes::from(format!("{{\"type\":\"{etype}\",\"object\":{obj}}}\n"))
             };
             let bookmark = |rv: u64, initial_end: bool| -> Value {
                 let mut meta = json!({"resourceVersion": rv.to_string()});

@@ -993,7 +993,10 @@ async fn watch_from_compacted_history_gets_410_in_stream() {
         text.to_ascii_lowercase()
             .contains("transfer-encoding: chunked")
     );
-    let line = text.lines().find(|l| l.starts_with("{\"type\"")).unwrap();
+    let line = text
+        .lines()
+        .find(|l| l.starts_with("{\"type\""))
+        .unwrap_or_else(|| panic!("no event line in {text:?}"));
     let ev: Value = serde_json::from_str(line).unwrap();
     assert_eq!(ev["type"], "ERROR");
     assert_eq!(ev["object"]["kind"], "Status");
@@ -1086,7 +1089,23 @@ async fn fault_injection_and_request_log() {
         .unwrap();
     let get_pvb = RequestMatch::any().verb("get").resource("podvolumebackups");
 
-    // Next N requests answer 503.
+    // Next N requests answer 503. kube's default client retries 429/503/504 by itself...
+    let before = server.request_count(&get_pvb);
+    server.fail_next(get_pvb.clone(), 2, 503);
+    api.get("a").await.unwrap();
+    assert_eq!(
+        server.request_count(&get_pvb) - before,
+        3,
+        "two 503s, retried"
+    );
+    // ...so use one without retries to see them.
+    let mut config = server.config().await;
+    config.default_retry = false;
+    let api = Api::<DynamicObject>::namespaced_with(
+        kube::Client::try_from(config).unwrap(),
+        NS,
+        &pvb_resource("velero.io"),
+    );
     server.fail_next(get_pvb.clone(), 2, 503);
     assert_eq!(api_error(api.get("a").await).code, 503);
     assert_eq!(api_error(api.get("a").await).code, 503);
