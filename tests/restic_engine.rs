@@ -49,7 +49,11 @@ fn fill_source(bed: &Bed, big_mib: usize, small: usize) -> u64 {
     total += (big_mib << 20) as u64;
     for i in 0..small {
         let n = 1000 + i * 37;
-        write_random(&bed.source.join(format!("dir{}/small-{i}.dat", i % 5)), n, i as u64 + 2);
+        write_random(
+            &bed.source.join(format!("dir{}/small-{i}.dat", i % 5)),
+            n,
+            i as u64 + 2,
+        );
         total += n as u64;
     }
     total
@@ -97,7 +101,10 @@ async fn incremental_backup_with_a_parent_does_not_read_unchanged_files() {
     let s = second.summary.clone().unwrap();
     let files_before = first.summary.clone().unwrap().total_files;
     assert_eq!(s.files_unmodified, files_before, "{s:?}");
-    assert!(s.bytes_added < 1 << 20, "only the new file and metadata are added: {s:?}");
+    assert!(
+        s.bytes_added < 1 << 20,
+        "only the new file and metadata are added: {s:?}"
+    );
     assert_ne!(second.snapshot_id, first.snapshot_id);
 }
 
@@ -106,10 +113,18 @@ async fn unreadable_files_give_a_partial_outcome_with_the_snapshot_and_the_items
     let bed = Bed::new();
     fill_source(&bed, 1, 5);
     std::fs::write(bed.source.join("secret.txt"), "top secret").unwrap();
-    std::fs::set_permissions(bed.source.join("secret.txt"), std::fs::Permissions::from_mode(0o000)).unwrap();
+    std::fs::set_permissions(
+        bed.source.join("secret.txt"),
+        std::fs::Permissions::from_mode(0o000),
+    )
+    .unwrap();
     std::fs::create_dir(bed.source.join("locked-dir")).unwrap();
     std::fs::write(bed.source.join("locked-dir/inside"), "x").unwrap();
-    std::fs::set_permissions(bed.source.join("locked-dir"), std::fs::Permissions::from_mode(0o000)).unwrap();
+    std::fs::set_permissions(
+        bed.source.join("locked-dir"),
+        std::fs::Permissions::from_mode(0o000),
+    )
+    .unwrap();
     // restic runs as "nobody", which may read the tree but not those two entries.
     std::fs::set_permissions(bed.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
     let wrapper = bed.path().join("restic-as-nobody");
@@ -132,11 +147,23 @@ async fn unreadable_files_give_a_partial_outcome_with_the_snapshot_and_the_items
     assert_eq!(outcome.exit_code, Some(3));
     let id = outcome.snapshot_id.clone().expect("the snapshot is kept");
     assert_eq!(outcome.failed_items, 2, "{outcome:?}");
-    let names: Vec<&str> = outcome.first_failed_items.iter().map(|i| i.item.as_str()).collect();
+    let names: Vec<&str> = outcome
+        .first_failed_items
+        .iter()
+        .map(|i| i.item.as_str())
+        .collect();
     assert!(names.iter().any(|n| n.ends_with("secret.txt")), "{names:?}");
     assert!(names.iter().any(|n| n.ends_with("locked-dir")), "{names:?}");
-    assert!(outcome.message.contains(&id) && outcome.message.contains("2 items could not be read"), "{}", outcome.message);
-    assert!(outcome.message.contains("permission denied"), "{}", outcome.message);
+    assert!(
+        outcome.message.contains(&id) && outcome.message.contains("2 items could not be read"),
+        "{}",
+        outcome.message
+    );
+    assert!(
+        outcome.message.contains("permission denied"),
+        "{}",
+        outcome.message
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -148,7 +175,11 @@ async fn wrong_password_is_recognised() {
     req.access = bed.access_with_password("not the password");
     let outcome = engine(Duration::from_secs(1)).backup(req).wait().await;
     assert_eq!(outcome.kind, OutcomeKind::WrongPassword, "{outcome:?}");
-    assert!(outcome.message.contains("wrong password"), "{}", outcome.message);
+    assert!(
+        outcome.message.contains("wrong password"),
+        "{}",
+        outcome.message
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -162,10 +193,17 @@ async fn missing_repository_is_reported_or_initialised() {
     });
     let outcome = strict.backup(backup_request(&bed)).wait().await;
     assert_eq!(outcome.kind, OutcomeKind::RepositoryMissing, "{outcome:?}");
-    assert!(outcome.message.contains("Is there a repository") || outcome.message.contains("config"), "{}", outcome.message);
+    assert!(
+        outcome.message.contains("Is there a repository") || outcome.message.contains("config"),
+        "{}",
+        outcome.message
+    );
     assert!(!bed.repo.join("config").exists());
 
-    let outcome = engine(Duration::from_secs(1)).backup(backup_request(&bed)).wait().await;
+    let outcome = engine(Duration::from_secs(1))
+        .backup(backup_request(&bed))
+        .wait()
+        .await;
     assert_eq!(outcome.kind, OutcomeKind::Success, "{outcome:?}");
     assert!(bed.repo.join("config").exists());
 }
@@ -206,7 +244,11 @@ async fn cancel_mid_backup_stops_the_group_and_leaves_no_lock() {
     let outcome = op.cancel().await;
     let took = started.elapsed();
     assert_eq!(outcome.kind, OutcomeKind::Canceled, "{outcome:?}");
-    assert!(bed.own_processes().is_empty(), "left behind: {:?}", bed.own_processes());
+    assert!(
+        bed.own_processes().is_empty(),
+        "left behind: {:?}",
+        bed.own_processes()
+    );
     assert!(bed.locks().is_empty(), "locks left: {:?}", bed.locks());
     let p = op.progress();
     assert!(p.completed && p.err == "canceled", "{p:?}");
@@ -227,7 +269,10 @@ async fn cancel_kills_grandchildren_and_a_straggler_does_not_hold_the_run() {
     let pidfile = bed.path().join("helper.pid");
     std::fs::write(
         &wrapper,
-        format!("#!/bin/sh\nsleep 600 &\necho $! > {}\nexec restic \"$@\"\n", pidfile.display()),
+        format!(
+            "#!/bin/sh\nsleep 600 &\necho $! > {}\nexec restic \"$@\"\n",
+            pidfile.display()
+        ),
     )
     .unwrap();
     std::fs::set_permissions(&wrapper, std::fs::Permissions::from_mode(0o755)).unwrap();
@@ -240,14 +285,25 @@ async fn cancel_kills_grandchildren_and_a_straggler_does_not_hold_the_run() {
     });
     let alive = |pid: &str| {
         std::fs::read_to_string(format!("/proc/{pid}/stat"))
-            .map(|s| !s.rsplit(')').next().unwrap_or("").trim_start().starts_with('Z'))
+            .map(|s| {
+                !s.rsplit(')')
+                    .next()
+                    .unwrap_or("")
+                    .trim_start()
+                    .starts_with('Z')
+            })
             .unwrap_or(false)
     };
 
     // A normal run ends although the helper keeps the pipes open, and the helper is gone.
-    let outcome = tokio::time::timeout(TIMEOUT, engine.backup(backup_request(&bed)).wait()).await.unwrap();
+    let outcome = tokio::time::timeout(TIMEOUT, engine.backup(backup_request(&bed)).wait())
+        .await
+        .unwrap();
     assert_eq!(outcome.kind, OutcomeKind::Success, "{outcome:?}");
-    let helper = std::fs::read_to_string(&pidfile).unwrap().trim().to_string();
+    let helper = std::fs::read_to_string(&pidfile)
+        .unwrap()
+        .trim()
+        .to_string();
     assert!(!alive(&helper), "helper {helper} survived a finished run");
 
     // A canceled run: the whole group is gone when cancel returns.
@@ -263,7 +319,10 @@ async fn cancel_kills_grandchildren_and_a_straggler_does_not_hold_the_run() {
     })
     .await
     .unwrap();
-    let helper = std::fs::read_to_string(&pidfile).unwrap().trim().to_string();
+    let helper = std::fs::read_to_string(&pidfile)
+        .unwrap()
+        .trim()
+        .to_string();
     assert!(alive(&helper));
     let outcome = op.cancel().await;
     assert_eq!(outcome.kind, OutcomeKind::Canceled, "{outcome:?}");
@@ -292,8 +351,14 @@ async fn restore_into_another_directory_is_byte_identical_with_progress() {
     assert_progress_invariants(&seen);
     let last = seen.last().unwrap();
     assert_eq!((last.n_completed, last.n_total), (total, total));
-    let intermediate = seen.iter().filter(|p| p.n_completed > 0 && p.n_completed < total).count();
-    assert!(intermediate >= 1, "no intermediate restore progress: {seen:#?}");
+    let intermediate = seen
+        .iter()
+        .filter(|p| p.n_completed > 0 && p.n_completed < total)
+        .count();
+    assert!(
+        intermediate >= 1,
+        "no intermediate restore progress: {seen:#?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -302,9 +367,16 @@ async fn unknown_snapshot_fails_with_restics_words() {
     bed.init_repo();
     let target = bed.path().join("restored");
     std::fs::create_dir(&target).unwrap();
-    let outcome = engine(Duration::from_secs(1)).restore(restore_request(&bed, "deadbeef", &target)).wait().await;
+    let outcome = engine(Duration::from_secs(1))
+        .restore(restore_request(&bed, "deadbeef", &target))
+        .wait()
+        .await;
     assert_eq!(outcome.kind, OutcomeKind::Failed, "{outcome:?}");
-    assert!(outcome.message.contains("no matching ID found"), "{}", outcome.message);
+    assert!(
+        outcome.message.contains("no matching ID found"),
+        "{}",
+        outcome.message
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -312,7 +384,10 @@ async fn stale_lock_is_removed_and_a_live_one_is_reported_with_its_holder() {
     let bed = Bed::new();
     fill_source(&bed, 20, 3);
     bed.init_repo();
-    let first = engine(Duration::from_secs(1)).backup(backup_request(&bed)).wait().await;
+    let first = engine(Duration::from_secs(1))
+        .backup(backup_request(&bed))
+        .wait()
+        .await;
     assert_eq!(first.kind, OutcomeKind::Success, "{first:?}");
 
     // A live exclusive lock: `restic check --read-data`, slowed, holds one while it runs.
@@ -330,10 +405,15 @@ async fn stale_lock_is_removed_and_a_live_one_is_reported_with_its_holder() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     assert!(!bed.locks().is_empty(), "check did not take its lock");
-    let outcome = engine(Duration::from_secs(1)).backup(backup_request(&bed)).wait().await;
+    let outcome = engine(Duration::from_secs(1))
+        .backup(backup_request(&bed))
+        .wait()
+        .await;
     assert_eq!(outcome.kind, OutcomeKind::Locked, "{outcome:?}");
     assert!(
-        outcome.message.contains(&format!("locked exclusively by PID {}", holder.id())),
+        outcome
+            .message
+            .contains(&format!("locked exclusively by PID {}", holder.id())),
         "the holder is named: {}",
         outcome.message
     );
@@ -342,8 +422,14 @@ async fn stale_lock_is_removed_and_a_live_one_is_reported_with_its_holder() {
     let mut holder = holder;
     holder.kill().unwrap();
     holder.wait().unwrap();
-    assert!(!bed.locks().is_empty(), "SIGKILL should leave the lock behind");
-    let outcome = engine(Duration::from_secs(1)).backup(backup_request(&bed)).wait().await;
+    assert!(
+        !bed.locks().is_empty(),
+        "SIGKILL should leave the lock behind"
+    );
+    let outcome = engine(Duration::from_secs(1))
+        .backup(backup_request(&bed))
+        .wait()
+        .await;
     assert_eq!(outcome.kind, OutcomeKind::Success, "{outcome:?}");
     assert!(bed.locks().is_empty());
 }

@@ -21,13 +21,22 @@ pub struct Bed {
 
 impl Bed {
     pub fn new() -> Self {
-        let dir = tempfile::Builder::new().prefix("pva-test-").tempdir().unwrap();
+        let dir = tempfile::Builder::new()
+            .prefix("pva-test-")
+            .tempdir()
+            .unwrap();
         let source = dir.path().join("source");
         std::fs::create_dir_all(&source).unwrap();
         let password_file = dir.path().join("password");
         std::fs::write(&password_file, "correct horse battery staple\n").unwrap();
         let cache = dir.path().join("cache");
-        Self { repo: dir.path().join("repo"), source, password_file, cache, dir }
+        Self {
+            repo: dir.path().join("repo"),
+            source,
+            password_file,
+            cache,
+            dir,
+        }
     }
 
     pub fn path(&self) -> &Path {
@@ -46,13 +55,20 @@ impl Bed {
     pub fn access_with_password(&self, password: &str) -> RepositoryAccess {
         let f = self.path().join(format!("password-{}", password.len()));
         std::fs::write(&f, password).unwrap();
-        RepositoryAccess { password_file: f, ..self.access() }
+        RepositoryAccess {
+            password_file: f,
+            ..self.access()
+        }
     }
 
     /// `restic init` on the repository, directly.
     pub fn init_repo(&self) {
         let out = self.restic(&["init"]);
-        assert!(out.status.success(), "restic init: {}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "restic init: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
 
     /// Runs restic directly (not through the agent) against this bed's repository.
@@ -69,7 +85,11 @@ impl Bed {
 
     pub fn locks(&self) -> Vec<String> {
         let out = self.restic(&["list", "locks", "--no-lock"]);
-        String::from_utf8_lossy(&out.stdout).lines().filter(|l| !l.trim().is_empty()).map(String::from).collect()
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter(|l| !l.trim().is_empty())
+            .map(String::from)
+            .collect()
     }
 
     /// Processes whose command line mentions this bed's directory (restic gets `--cache-dir`
@@ -79,16 +99,24 @@ impl Bed {
         let mut found = Vec::new();
         for e in std::fs::read_dir("/proc").unwrap().flatten() {
             let name = e.file_name();
-            let Some(pid) = name.to_str().and_then(|s| s.parse::<u32>().ok()) else { continue };
+            let Some(pid) = name.to_str().and_then(|s| s.parse::<u32>().ok()) else {
+                continue;
+            };
             if pid == std::process::id() {
                 continue;
             }
-            let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { continue };
-            let state = stat.rfind(')').and_then(|i| stat[i + 1..].split_whitespace().next().map(String::from));
+            let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+                continue;
+            };
+            let state = stat
+                .rfind(')')
+                .and_then(|i| stat[i + 1..].split_whitespace().next().map(String::from));
             if state.as_deref() == Some("Z") {
                 continue;
             }
-            let Ok(cmd) = std::fs::read(format!("/proc/{pid}/cmdline")) else { continue };
+            let Ok(cmd) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
+                continue;
+            };
             let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
             if cmd.contains(&needle) {
                 found.push(format!("{pid}: {cmd}"));
@@ -101,7 +129,10 @@ impl Bed {
 /// Writes `n` bytes of incompressible, deterministic data (restic compresses nothing on 0.14, but
 /// later versions would squeeze zeros).
 pub fn write_random(path: &Path, n: usize, seed: u64) {
-    let mut x = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407) | 1;
+    let mut x = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407)
+        | 1;
     let mut buf = Vec::with_capacity(n);
     while buf.len() < n {
         x ^= x << 13;
@@ -130,7 +161,10 @@ pub fn backup_request(bed: &Bed) -> BackupRequest {
         uploader: UploaderKind::Restic,
         access: bed.access(),
         source: bed.source.clone(),
-        options: BackupOptions { host: "velero".into(), ..BackupOptions::default() },
+        options: BackupOptions {
+            host: "velero".into(),
+            ..BackupOptions::default()
+        },
     }
 }
 
@@ -157,7 +191,8 @@ pub fn assert_same_tree(a: &Path, b: &Path) {
                 stack.push(r);
             } else if ft.is_file() {
                 let x = std::fs::read(a.join(&r)).unwrap();
-                let y = std::fs::read(b.join(&r)).unwrap_or_else(|e| panic!("{}: {e}", r.display()));
+                let y =
+                    std::fs::read(b.join(&r)).unwrap_or_else(|e| panic!("{}: {e}", r.display()));
                 assert!(x == y, "{} differs", r.display());
                 files += 1;
             }
