@@ -13,10 +13,11 @@ use tokio_util::sync::CancellationToken;
 
 use crate::error::{Error, Result};
 use crate::facts::RunFacts;
-use crate::framing::Frame;
+use crate::framing::{Frame, Separators};
 use crate::operation::{Operation, OperationSink};
 use crate::progress::{OperationProgress, ProgressTracker};
 use crate::runner::{self, ChildSpec, StopKind};
+use crate::uploader::kopia;
 use crate::uploader::restic::{self, BackupOptions, ResticInvocation, ResticVersion};
 use crate::uploader::{
     Direction, ExitInfo, Outcome, OutcomeKind, ProgressSample, RepositoryAccess, Stream,
@@ -271,11 +272,7 @@ impl Engine {
             Ok(v) => v,
             Err(e) => return Outcome::internal(e.to_string()),
         };
-        let tracking: Shared = Arc::new(Mutex::new(Tracking {
-            tracker: ProgressTracker::new(Direction::Backup, sink.latest().started),
-            facts: RunFacts::default(),
-            sink: sink.clone(),
-        }));
+        let tracking = self.tracking(Direction::Backup, sink);
         let parser = restic::ResticParser::new(Direction::Backup);
         let parse = move |_s: Stream, l: &[u8]| parser.parse(l);
         let mut initialised = false;
@@ -351,11 +348,7 @@ impl Engine {
             Ok(v) => v,
             Err(e) => return Outcome::internal(e.to_string()),
         };
-        let tracking: Shared = Arc::new(Mutex::new(Tracking {
-            tracker: ProgressTracker::new(Direction::Restore, sink.latest().started),
-            facts: RunFacts::default(),
-            sink: sink.clone(),
-        }));
+        let tracking = self.tracking(Direction::Restore, sink);
         // restic < 0.16 prints nothing while restoring: the total comes from `stats`, the part done
         // from the bytes that appear under the target.
         let mut measurer = None;
@@ -440,12 +433,142 @@ impl Engine {
         outcome
     }
 
-    async fn kopia_backup(&self, _req: &BackupRequest, _sink: &OperationSink) -> Outcome {
-        Outcome::internal("kopia support is not available in this build")
+    fn kopia_spec(&self, inv: kopia::KopiaInvocation, cwd: Option<&Path>) -> ChildSpec {
+        let mut spec = ChildSpec::new(&self.cfg.kopia_binary, inv.args);
+        spec.env = inv.env;
+        spec.env_remove = kopia::SCRUBBED_ENV.to_vec();
+        spec.cwd = cwd.map(Path::to_path_buf);
+        spec.max_frame = self.cfg.max_frame;
+        // kopia redraws its progress line with \r and no newline.
+        spec.stderr_separators = Separators::NewlineAndCarriageReturn;
+        spec
     }
 
-    async fn kopia_restore(&self, _req: &RestoreRequest, _sink: &OperationSink) -> Outcome {
-        Outcome::internal("kopia support is not available in this build")
+    /// Runs `repository connect|create`: success is exit 0 (no manifest to check).
+    async fn kopia_repository_command(
+        &self,
+        inv: Result<kopia::KopiaInvocation>,
+        tracking: &Shared,
+        cancel: &CancellationToken,
+    ) -> Outcome {
+        let outcome = self
+            .kopia_run(inv, None, Direction::Restore, tracking, cancel)
+            .await;
+        if outcome.exit_code == Some(0) {
+            return Outcome {
+                kind: OutcomeKind::Success,
+                ..Outcome::internal("connected")
+            };
+        }
+        outcome
+    }
+
+    /// Runs one kopia command to its end, its output feeding `tracking`.
+    async fn kopia_run(
+        &self,
+        inv: Result<kopia::KopiaInvocation>,
+        cwd: Option<&Path>,
+        direction: Direction,
+        tracking: &Shared,
+        cancel: &CancellationToken,
+    ) -> Outcome {
+        let inv = match inv {
+            Ok(i) => i,
+            Err(e) => return Outcome::internal(e.to_string()),
+        };
+        lock(tracking).facts = RunFacts::default();
+        let parser = kopia::KopiaParser::new(direction);
+        let parse = move |_s: Stream, l: &[u8]| parser.parse(l);
+        let spec = self.kopia_spec(inv, cwd);
+        match self.run_tracked(&spec, &parse, tracking, cancel).await {
+            Ok((exit, _stop)) => {
+                let t = lock(tracking);
+                kopia::classify(exit, &t.facts, cancel.is_cancelled(), direction)
+            }
+            Err(e) => Outcome::internal(e.to_string()),
+        }
+    }
+
+    /// Connects kopia to the repository (its config lives in the private cache), creating the
+    /// repository when it is missing and that is allowed.
+    async fn kopia_connect(
+        &self,
+        access: &RepositoryAccess,
+        tracking: &Shared,
+        cancel: &CancellationToken,
+    ) -> Option<Outcome> {
+        let connected = self
+            .kopia_repository_command(kopia::connect(access), tracking, cancel)
+            .await;
+        match connected.kind {
+            OutcomeKind::Success => None,
+            OutcomeKind::RepositoryMissing if self.cfg.init_missing_repository => {
+                tracing::info!("kopia repository does not exist: creating it");
+                let created = self
+                    .kopia_repository_command(kopia::create(access), tracking, cancel)
+                    .await;
+                (!created.kind.is_success()).then_some(created)
+            }
+            _ => Some(connected),
+        }
+    }
+
+    async fn kopia_backup(&self, req: &BackupRequest, sink: &OperationSink) -> Outcome {
+        let cancel = sink.cancel_token();
+        if let Err(msg) = check_directory(&req.source, "backup source") {
+            return Outcome {
+                kind: OutcomeKind::SourceMissing,
+                ..Outcome::internal(msg)
+            };
+        }
+        let tracking = self.tracking(Direction::Backup, sink);
+        if let Some(failed) = self.kopia_connect(&req.access, &tracking, cancel).await {
+            return failed;
+        }
+        if cancel.is_cancelled() {
+            return Outcome::canceled("canceled before the uploader started");
+        }
+        self.kopia_run(
+            kopia::snapshot_create(&req.access, &req.source),
+            Some(&req.source),
+            Direction::Backup,
+            &tracking,
+            cancel,
+        )
+        .await
+    }
+
+    async fn kopia_restore(&self, req: &RestoreRequest, sink: &OperationSink) -> Outcome {
+        let cancel = sink.cancel_token();
+        if let Err(msg) = check_directory(&req.target, "restore target") {
+            return Outcome {
+                kind: OutcomeKind::SourceMissing,
+                ..Outcome::internal(msg)
+            };
+        }
+        let tracking = self.tracking(Direction::Restore, sink);
+        let connected = self
+            .kopia_repository_command(kopia::connect(&req.access), &tracking, cancel)
+            .await;
+        if !connected.kind.is_success() {
+            return connected;
+        }
+        self.kopia_run(
+            kopia::snapshot_restore(&req.access, &req.snapshot_id, &req.target),
+            Some(&req.target),
+            Direction::Restore,
+            &tracking,
+            cancel,
+        )
+        .await
+    }
+
+    fn tracking(&self, direction: Direction, sink: &OperationSink) -> Shared {
+        Arc::new(Mutex::new(Tracking {
+            tracker: ProgressTracker::new(direction, sink.latest().started),
+            facts: RunFacts::default(),
+            sink: sink.clone(),
+        }))
     }
 }
 

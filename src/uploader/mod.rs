@@ -71,7 +71,8 @@ pub struct ProgressSample {
 /// The uploader's final report of a finished snapshot or restore.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct RunSummary {
-    /// Absent for restores, for kopia's canceled snapshot and for restic's skipped snapshots.
+    /// Absent for restores and for restic's skipped snapshots. kopia's canceled (incomplete)
+    /// snapshot has one, but its outcome does not report it as the result.
     pub snapshot_id: Option<String>,
     /// Bytes of the source (backup) or of the snapshot (restore): the final size.
     pub total_bytes: u64,
