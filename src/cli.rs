@@ -25,6 +25,93 @@ pub enum Command {
     Backup(BackupArgs),
     /// Restore a snapshot into a directory, with live progress.
     Restore(RestoreArgs),
+    /// Run the node agent: handle this node's PodVolumeBackups and PodVolumeRestores.
+    Run(Box<RunArgs>),
+    /// Print the PodVolumeBackup and PodVolumeRestore CRDs (YAML) for clusters without Velero.
+    Crds,
+}
+
+/// `podvolume-agent run`. Names are fixed: the manifests in `daemonset/`, the README and the tests
+/// use them.
+#[derive(Debug, Clone, Args)]
+pub struct RunArgs {
+    /// This node's name (downward API `spec.nodeName`).
+    #[arg(long, env = "NODE_NAME")]
+    pub node_name: String,
+    /// Namespace of the PodVolumeBackups/PodVolumeRestores (Velero's namespace).
+    #[arg(long, env = "VELERO_NAMESPACE", default_value = "velero")]
+    pub namespace: String,
+    /// How often running operations write progress to their object.
+    #[arg(long, env = "UPDATE_INTERVAL", default_value = "10s", value_parser = humantime::parse_duration)]
+    pub update_interval: Duration,
+    /// Transfers at once on this node; others wait in Accepted, oldest first.
+    #[arg(long, env = "CONCURRENCY", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    pub concurrency: u32,
+    /// Cancel and fail an operation running longer than this (`0` = no limit).
+    #[arg(long, env = "OPERATION_TIMEOUT", default_value = "4h", value_parser = parse_optional_duration)]
+    pub operation_timeout: OptionalDuration,
+    /// No byte progress for this long raises a Warning event (`0` = never).
+    #[arg(long, env = "STALL_TIMEOUT", default_value = "30m", value_parser = parse_optional_duration)]
+    pub stall_timeout: OptionalDuration,
+    /// Also cancel and fail a stalled operation.
+    #[arg(long, env = "FAIL_ON_STALL")]
+    pub fail_on_stall: bool,
+    /// Time between SIGINT and SIGKILL when stopping an uploader.
+    #[arg(long, env = "CANCEL_GRACE", default_value = "10s", value_parser = humantime::parse_duration)]
+    pub cancel_grace: Duration,
+    /// Where the kubelet's pods directory is mounted.
+    #[arg(long, env = "HOST_PODS_DIR", default_value = "/host_pods")]
+    pub host_pods_dir: PathBuf,
+    /// Scratch space: uploader caches and credentials files.
+    #[arg(long, env = "VELERO_SCRATCH_DIR", default_value = "/scratch")]
+    pub scratch_dir: PathBuf,
+    /// Durable state: finished results not yet written to the API server.
+    #[arg(long, env = "STATE_DIR", default_value = "/var/lib/podvolume-agent")]
+    pub state_dir: PathBuf,
+    #[arg(long, env = "RESTIC_BINARY", default_value = "restic")]
+    pub restic_binary: PathBuf,
+    #[arg(long, env = "KOPIA_BINARY", default_value = "kopia")]
+    pub kopia_binary: PathBuf,
+    /// Uploader for objects whose `spec.uploaderType` is empty.
+    #[arg(long, env = "DEFAULT_UPLOADER", value_enum, default_value_t = UploaderKind::Restic)]
+    pub default_uploader: UploaderKind,
+    /// Repository password file; otherwise the Secret `velero-repo-credentials`, key
+    /// `repository-password`, in the namespace, read through the API.
+    #[arg(long, env = "REPO_PASSWORD_FILE")]
+    pub repo_password_file: Option<PathBuf>,
+    /// Fail instead of initialising a repository that does not exist.
+    #[arg(long, env = "NO_INIT")]
+    pub no_init: bool,
+    /// Complete (instead of fail) backups where some files could not be read (restic exit 3);
+    /// the snapshot ID is kept either way.
+    #[arg(long, env = "PARTIAL_AS_COMPLETED")]
+    pub partial_as_completed: bool,
+    /// How long to wait for a repository lock held by a live process.
+    #[arg(long, env = "LOCK_WAIT", default_value = "2m", value_parser = humantime::parse_duration)]
+    pub lock_wait: Duration,
+    /// Runs of one object interrupted by agent restarts before it is failed.
+    #[arg(long, env = "MAX_ATTEMPTS", default_value_t = 3)]
+    pub max_attempts: u32,
+    /// Health, metrics and operations API.
+    #[arg(long, env = "LISTEN_ADDRESS", default_value = "0.0.0.0:8085")]
+    pub listen_address: std::net::SocketAddr,
+    #[arg(long, env = "LOG_FORMAT", value_enum, default_value_t = LogFormat::Json)]
+    pub log_format: LogFormat,
+    /// kubeconfig file; otherwise the in-cluster configuration.
+    #[arg(long, env = "KUBECONFIG")]
+    pub kubeconfig: Option<PathBuf>,
+}
+
+/// A duration where `0` means "none".
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OptionalDuration(pub Option<Duration>);
+
+fn parse_optional_duration(s: &str) -> Result<OptionalDuration, String> {
+    if s.trim() == "0" {
+        return Ok(OptionalDuration(None));
+    }
+    let d = humantime::parse_duration(s).map_err(|e| e.to_string())?;
+    Ok(OptionalDuration((!d.is_zero()).then_some(d)))
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]

@@ -6,7 +6,9 @@
 //! [`progress::OperationProgress`], and consumers (the one-shot CLI, the status writer) read that
 //! value at their own pace.
 
+pub mod agent;
 pub mod cli;
+pub mod crd;
 pub mod engine;
 pub mod error;
 pub mod facts;

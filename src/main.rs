@@ -23,6 +23,14 @@ async fn main() {
             telemetry::init_logging(args.common.log_format, level(args.common.verbose));
             oneshot::restore(args).await
         }
+        Command::Run(args) => {
+            telemetry::init_logging(args.log_format, "info");
+            podvolume_agent::agent::run(*args).await
+        }
+        Command::Crds => {
+            print!("{}", podvolume_agent::crd::crds_yaml());
+            0
+        }
     };
     std::process::exit(code);
 }

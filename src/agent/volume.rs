@@ -1,0 +1,1 @@
+//! Locating a pod volume under the kubelet pods directory (being written).
