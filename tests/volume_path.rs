@@ -1,0 +1,304 @@
+//! Locating pod volumes in a kubelet-like pods directory, and the restore done-file handshake.
+
+use std::fs;
+use std::os::unix::fs::symlink;
+use std::path::{Path, PathBuf};
+
+use podvolume_agent::agent::volume::{VolumeError, locate, write_done_file};
+
+const UID: &str = "5b0c7e9a-1111-4c1e-9d1b-000000000001";
+
+/// `<tmp>/pods` as the host pods dir, plus a sibling `<tmp>/outside` that must never be reached.
+struct Layout {
+    _tmp: tempfile::TempDir,
+    pods: PathBuf,
+    outside: PathBuf,
+}
+
+fn layout() -> Layout {
+    let tmp = tempfile::tempdir().unwrap();
+    let pods = tmp.path().join("pods");
+    let outside = tmp.path().join("outside");
+    fs::create_dir_all(pods.join(UID).join("volumes")).unwrap();
+    fs::create_dir_all(&outside).unwrap();
+    fs::write(outside.join("secret"), "keep me").unwrap();
+    Layout {
+        _tmp: tmp,
+        pods,
+        outside,
+    }
+}
+
+fn plugin_dir(l: &Layout, plugin: &str) -> PathBuf {
+    l.pods.join(UID).join("volumes").join(plugin)
+}
+
+fn mkdir(p: &Path) -> PathBuf {
+    fs::create_dir_all(p).unwrap();
+    p.to_path_buf()
+}
+
+fn assert_unsafe(result: Result<PathBuf, VolumeError>) -> String {
+    match result {
+        Err(err @ VolumeError::Unsafe { .. }) => err.to_string(),
+        other => panic!("expected Unsafe, got {other:?}"),
+    }
+}
+
+fn assert_symlink_refused(result: Result<PathBuf, VolumeError>) {
+    let msg = assert_unsafe(result);
+    assert!(msg.contains("is a symbolic link"), "{msg}");
+}
+
+fn assert_count(result: Result<PathBuf, VolumeError>, expected: usize) -> String {
+    match result {
+        Err(err @ VolumeError::Matches { count, .. }) => {
+            assert_eq!(count, expected);
+            err.to_string()
+        }
+        other => panic!("expected Matches, got {other:?}"),
+    }
+}
+
+#[test]
+fn locates_empty_dir_volume() {
+    let l = layout();
+    let dir = mkdir(&plugin_dir(&l, "kubernetes.io~empty-dir").join("cache"));
+    let found = locate(&l.pods, UID, "cache").unwrap();
+    assert_eq!(found, fs::canonicalize(dir).unwrap());
+}
+
+#[test]
+fn locates_csi_volume_mount_dir() {
+    let l = layout();
+    let dir = mkdir(
+        &plugin_dir(&l, "kubernetes.io~csi")
+            .join("pvc-123")
+            .join("mount"),
+    );
+    mkdir(&plugin_dir(&l, "kubernetes.io~empty-dir").join("other"));
+    let found = locate(&l.pods, UID, "pvc-123/mount").unwrap();
+    assert_eq!(found, fs::canonicalize(dir).unwrap());
+}
+
+#[test]
+fn same_name_in_two_plugin_dirs_counts_two() {
+    let l = layout();
+    mkdir(&plugin_dir(&l, "kubernetes.io~empty-dir").join("data"));
+    mkdir(&plugin_dir(&l, "kubernetes.io~nfs").join("data"));
+    let msg = assert_count(locate(&l.pods, UID, "data"), 2);
+    assert_eq!(
+        msg,
+        format!(
+            "expected one matching path: {}/{UID}/volumes/*/data, got 2",
+            l.pods.display()
+        )
+    );
+}
+
+#[test]
+fn missing_volume_counts_zero() {
+    let l = layout();
+    mkdir(&plugin_dir(&l, "kubernetes.io~empty-dir").join("other"));
+    assert_count(locate(&l.pods, UID, "data"), 0);
+}
+
+#[test]
+fn missing_pod_dir_counts_zero() {
+    let l = layout();
+    assert_count(locate(&l.pods, "no-such-pod", "data"), 0);
+}
+
+#[test]
+fn csi_volume_without_mount_subdir_counts_zero() {
+    let l = layout();
+    mkdir(&plugin_dir(&l, "kubernetes.io~csi").join("pvc-123"));
+    assert_count(locate(&l.pods, UID, "pvc-123/mount"), 0);
+}
+
+#[test]
+fn refuses_hostile_names() {
+    let l = layout();
+    mkdir(&plugin_dir(&l, "kubernetes.io~empty-dir").join("data"));
+    for vol in [
+        "../../etc",
+        "..",
+        ".",
+        "",
+        "/etc",
+        "a\0b",
+        "data/../../..",
+        "data/",
+    ] {
+        assert_unsafe(locate(&l.pods, UID, vol));
+    }
+    for uid in ["../../etc", "a/b", "/abs", "", "..", "u\0id"] {
+        assert_unsafe(locate(&l.pods, uid, "data"));
+    }
+}
+
+#[test]
+fn refuses_symlinked_volume_dir_pointing_outside() {
+    let l = layout();
+    let plugin = mkdir(&plugin_dir(&l, "kubernetes.io~empty-dir"));
+    symlink(&l.outside, plugin.join("data")).unwrap();
+    assert_symlink_refused(locate(&l.pods, UID, "data"));
+}
+
+#[test]
+fn refuses_symlinked_volume_dir_even_inside_pods_dir() {
+    let l = layout();
+    let plugin = mkdir(&plugin_dir(&l, "kubernetes.io~empty-dir"));
+    let real = mkdir(&plugin.join("real"));
+    symlink(&real, plugin.join("data")).unwrap();
+    assert_symlink_refused(locate(&l.pods, UID, "data"));
+}
+
+#[test]
+fn refuses_symlinked_plugin_dir() {
+    let l = layout();
+    mkdir(&l.outside.join("data"));
+    symlink(&l.outside, plugin_dir(&l, "kubernetes.io~empty-dir")).unwrap();
+    assert_symlink_refused(locate(&l.pods, UID, "data"));
+}
+
+#[test]
+fn refuses_symlinked_mount_dir() {
+    let l = layout();
+    let pv = mkdir(&plugin_dir(&l, "kubernetes.io~csi").join("pvc-1"));
+    symlink(&l.outside, pv.join("mount")).unwrap();
+    assert_symlink_refused(locate(&l.pods, UID, "pvc-1/mount"));
+}
+
+#[test]
+fn refuses_non_directory_match() {
+    let l = layout();
+    let plugin = mkdir(&plugin_dir(&l, "kubernetes.io~empty-dir"));
+    fs::write(plugin.join("data"), "").unwrap();
+    assert_unsafe(locate(&l.pods, UID, "data"));
+}
+
+#[test]
+fn host_pods_dir_may_itself_be_a_symlink() {
+    let l = layout();
+    let dir = mkdir(&plugin_dir(&l, "kubernetes.io~empty-dir").join("data"));
+    let link = l.pods.parent().unwrap().join("pods-link");
+    symlink(&l.pods, &link).unwrap();
+    let found = locate(&link, UID, "data").unwrap();
+    assert_eq!(found, fs::canonicalize(dir).unwrap());
+}
+
+fn entries(dir: &Path) -> Vec<String> {
+    let mut names: Vec<String> = fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    names
+}
+
+fn assert_done(volume: &Path, restore_uid: &str) {
+    let dir = volume.join(".velero");
+    let meta = fs::symlink_metadata(&dir).unwrap();
+    assert!(meta.is_dir() && !meta.file_type().is_symlink());
+    assert_eq!(entries(&dir), vec![restore_uid.to_owned()]);
+    let marker = fs::symlink_metadata(dir.join(restore_uid)).unwrap();
+    assert!(marker.is_file());
+    assert_eq!(marker.len(), 0);
+}
+
+fn assert_outside_untouched(l: &Layout) {
+    assert_eq!(entries(&l.outside), vec!["secret".to_owned()]);
+    assert_eq!(
+        fs::read_to_string(l.outside.join("secret")).unwrap(),
+        "keep me"
+    );
+}
+
+#[test]
+fn done_file_in_fresh_volume() {
+    let l = layout();
+    let vol = mkdir(&plugin_dir(&l, "kubernetes.io~empty-dir").join("data"));
+    fs::write(vol.join("app.db"), "data").unwrap();
+    write_done_file(&vol, "restore-uid-1").unwrap();
+    assert_done(&vol, "restore-uid-1");
+    assert_eq!(fs::read_to_string(vol.join("app.db")).unwrap(), "data");
+}
+
+#[test]
+fn done_file_replaces_existing_velero_dir() {
+    let l = layout();
+    let vol = mkdir(&plugin_dir(&l, "kubernetes.io~empty-dir").join("data"));
+    let old = mkdir(&vol.join(".velero").join("nested"));
+    fs::write(vol.join(".velero").join("old-restore-uid"), "").unwrap();
+    fs::write(old.join("file"), "x").unwrap();
+    write_done_file(&vol, "restore-uid-2").unwrap();
+    assert_done(&vol, "restore-uid-2");
+}
+
+#[test]
+fn done_file_replaces_velero_file() {
+    let l = layout();
+    let vol = mkdir(&plugin_dir(&l, "kubernetes.io~empty-dir").join("data"));
+    fs::write(vol.join(".velero"), "not a dir").unwrap();
+    write_done_file(&vol, "restore-uid-3").unwrap();
+    assert_done(&vol, "restore-uid-3");
+}
+
+#[test]
+fn done_file_never_follows_velero_symlink() {
+    let l = layout();
+    let vol = mkdir(&plugin_dir(&l, "kubernetes.io~empty-dir").join("data"));
+    symlink(&l.outside, vol.join(".velero")).unwrap();
+    write_done_file(&vol, "restore-uid-4").unwrap();
+    assert_done(&vol, "restore-uid-4");
+    assert_outside_untouched(&l);
+}
+
+#[test]
+fn done_file_never_follows_symlinks_inside_velero_dir() {
+    let l = layout();
+    let vol = mkdir(&plugin_dir(&l, "kubernetes.io~empty-dir").join("data"));
+    let dot = mkdir(&vol.join(".velero"));
+    symlink(&l.outside, dot.join("escape")).unwrap();
+    symlink(l.outside.join("secret"), dot.join("secret-link")).unwrap();
+    write_done_file(&vol, "restore-uid-5").unwrap();
+    assert_done(&vol, "restore-uid-5");
+    assert_outside_untouched(&l);
+}
+
+#[test]
+fn done_file_replaces_dangling_velero_symlink() {
+    let l = layout();
+    let vol = mkdir(&plugin_dir(&l, "kubernetes.io~empty-dir").join("data"));
+    symlink(l.outside.join("does-not-exist"), vol.join(".velero")).unwrap();
+    write_done_file(&vol, "restore-uid-6").unwrap();
+    assert_done(&vol, "restore-uid-6");
+    assert_outside_untouched(&l);
+}
+
+#[test]
+fn done_file_refuses_hostile_restore_uid() {
+    let l = layout();
+    let vol = mkdir(&plugin_dir(&l, "kubernetes.io~empty-dir").join("data"));
+    for uid in ["", ".", "..", "../x", "a/b", "/abs", "a\0b"] {
+        match write_done_file(&vol, uid) {
+            Err(VolumeError::Unsafe { .. }) => {}
+            other => panic!("{uid:?}: expected Unsafe, got {other:?}"),
+        }
+    }
+    assert!(entries(&vol).is_empty());
+}
+
+#[test]
+fn done_file_refuses_symlinked_volume_path() {
+    let l = layout();
+    let link = plugin_dir(&l, "link");
+    fs::create_dir_all(link.parent().unwrap()).unwrap();
+    symlink(&l.outside, &link).unwrap();
+    assert!(matches!(
+        write_done_file(&link, "restore-uid-7"),
+        Err(VolumeError::Io { .. })
+    ));
+    assert_outside_untouched(&l);
+}
