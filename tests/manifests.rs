@@ -977,6 +977,7 @@ const NEEDS: &[(Scope, &str, &str, &str, Option<&str>)] = &[
     (Scope::Cluster, "", "pods", "get", None),
     (Scope::Cluster, "", "persistentvolumeclaims", "get", None),
     (Scope::Cluster, "", "persistentvolumes", "get", None),
+    (Scope::Cluster, "storage.k8s.io", "csidrivers", "list", None),
     (
         Scope::Cluster,
         "apiextensions.k8s.io",
