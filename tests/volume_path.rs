@@ -302,3 +302,174 @@ fn done_file_refuses_symlinked_volume_path() {
     ));
     assert_outside_untouched(&l);
 }
+
+// ---- resolve(): PVC -> PV lookups against the in-process test API server ----
+
+mod resolve_api {
+    use super::*;
+    use k8s_openapi::api::core::v1::Pod;
+    use podvolume_agent::agent::volume::resolve;
+    use podvolume_testbed::{RequestMatch, TestApiServer};
+    use serde_json::{Value, json};
+
+    fn pod(volumes: Value, uid: Option<&str>) -> Pod {
+        let mut metadata = json!({"name": "web-0", "namespace": "shop"});
+        if let Some(uid) = uid {
+            metadata["uid"] = json!(uid);
+        }
+        serde_json::from_value(json!({
+            "metadata": metadata,
+            "spec": {"containers": [{"name": "app"}], "volumes": volumes},
+        }))
+        .unwrap()
+    }
+
+    fn claim_pod() -> Pod {
+        pod(
+            json!([{"name": "data", "persistentVolumeClaim": {"claimName": "data-web-0"}}]),
+            Some(UID),
+        )
+    }
+
+    fn put_pvc(server: &TestApiServer, volume_name: Option<&str>) {
+        let mut spec = json!({"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}}});
+        if let Some(name) = volume_name {
+            spec["volumeName"] = json!(name);
+        }
+        server
+            .put_json(json!({"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+                "metadata": {"name": "data-web-0", "namespace": "shop"}, "spec": spec}))
+            .unwrap();
+    }
+
+    fn put_pv(server: &TestApiServer, annotations: Value, source: Value) {
+        let mut spec = json!({"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteOnce"]});
+        for (k, v) in source.as_object().unwrap() {
+            spec[k] = v.clone();
+        }
+        server
+            .put_json(json!({"apiVersion": "v1", "kind": "PersistentVolume",
+                "metadata": {"name": "pvc-123", "annotations": annotations}, "spec": spec}))
+            .unwrap();
+    }
+
+    #[tokio::test]
+    async fn resolves_empty_dir_without_api_calls() {
+        let l = layout();
+        let dir = mkdir(&plugin_dir(&l, "kubernetes.io~empty-dir").join("cache"));
+        let server = TestApiServer::start().await.unwrap();
+        let client = server.client().await;
+        let p = pod(json!([{"name": "cache", "emptyDir": {}}]), Some(UID));
+        let found = resolve(&client, &l.pods, &p, "cache").await.unwrap();
+        assert_eq!(found, fs::canonicalize(dir).unwrap());
+        assert_eq!(server.request_count(&RequestMatch::any()), 0);
+    }
+
+    #[tokio::test]
+    async fn resolves_claim_bound_to_csi_pv() {
+        let l = layout();
+        let dir = mkdir(&plugin_dir(&l, "kubernetes.io~csi").join("pvc-123/mount"));
+        let server = TestApiServer::start().await.unwrap();
+        put_pvc(&server, Some("pvc-123"));
+        put_pv(
+            &server,
+            json!({}),
+            json!({"csi": {"driver": "ebs.csi.aws.com", "volumeHandle": "vol-1"}}),
+        );
+        let client = server.client().await;
+        let found = resolve(&client, &l.pods, &claim_pod(), "data")
+            .await
+            .unwrap();
+        assert_eq!(found, fs::canonicalize(dir).unwrap());
+    }
+
+    #[tokio::test]
+    async fn resolves_claim_bound_to_nfs_pv() {
+        let l = layout();
+        let dir = mkdir(&plugin_dir(&l, "kubernetes.io~nfs").join("pvc-123"));
+        let server = TestApiServer::start().await.unwrap();
+        put_pvc(&server, Some("pvc-123"));
+        // An external, non-CSI provisioner: the CSIDriver list (unavailable here) decides; the
+        // lookup failing falls back to "not CSI".
+        put_pv(
+            &server,
+            json!({"pv.kubernetes.io/provisioned-by": "cluster.local/nfs-subdir-external-provisioner"}),
+            json!({"nfs": {"server": "nfs.example", "path": "/export"}}),
+        );
+        let client = server.client().await;
+        let found = resolve(&client, &l.pods, &claim_pod(), "data")
+            .await
+            .unwrap();
+        assert_eq!(found, fs::canonicalize(dir).unwrap());
+    }
+
+    #[tokio::test]
+    async fn missing_claim() {
+        let l = layout();
+        let server = TestApiServer::start().await.unwrap();
+        let client = server.client().await;
+        let err = resolve(&client, &l.pods, &claim_pod(), "data")
+            .await
+            .unwrap_err();
+        assert!(matches!(err, VolumeError::ClaimNotFound { .. }), "{err:?}");
+        assert_eq!(
+            err.to_string(),
+            "persistentvolumeclaim shop/data-web-0 not found"
+        );
+    }
+
+    #[tokio::test]
+    async fn unbound_claim() {
+        let l = layout();
+        let server = TestApiServer::start().await.unwrap();
+        put_pvc(&server, None);
+        let client = server.client().await;
+        let err = resolve(&client, &l.pods, &claim_pod(), "data")
+            .await
+            .unwrap_err();
+        assert!(matches!(err, VolumeError::ClaimNotBound { .. }), "{err:?}");
+    }
+
+    #[tokio::test]
+    async fn missing_persistent_volume() {
+        let l = layout();
+        let server = TestApiServer::start().await.unwrap();
+        put_pvc(&server, Some("pvc-123"));
+        let client = server.client().await;
+        let err = resolve(&client, &l.pods, &claim_pod(), "data")
+            .await
+            .unwrap_err();
+        assert_eq!(err.to_string(), "persistentvolume pvc-123 not found");
+    }
+
+    #[tokio::test]
+    async fn api_failure_keeps_the_api_error() {
+        let l = layout();
+        let server = TestApiServer::start().await.unwrap();
+        put_pvc(&server, Some("pvc-123"));
+        server.fail_next(
+            RequestMatch::any().resource("persistentvolumeclaims"),
+            1,
+            500,
+        );
+        let client = server.client().await;
+        let err = resolve(&client, &l.pods, &claim_pod(), "data")
+            .await
+            .unwrap_err();
+        assert!(matches!(err, VolumeError::Api(_)), "{err:?}");
+        assert!(
+            err.to_string()
+                .starts_with("Kubernetes API request failed: ")
+        );
+    }
+
+    #[tokio::test]
+    async fn pod_without_uid() {
+        let l = layout();
+        let server = TestApiServer::start().await.unwrap();
+        let client = server.client().await;
+        let p = pod(json!([{"name": "cache", "emptyDir": {}}]), None);
+        let err = resolve(&client, &l.pods, &p, "cache").await.unwrap_err();
+        assert_eq!(err.to_string(), "pod shop/web-0 has no metadata.uid");
+    }
+}
