@@ -547,20 +547,81 @@ impl Engine {
             };
         }
         let tracking = self.tracking(Direction::Restore, sink);
+        // kopia prints the restored size only rounded, and it is read as the smallest value the
+        // figure could stand for (several percent low, up to half a unit for whole figures). The
+        // exact size is what appears under the target: the regular files' bytes after the restore
+        // less those already there before it.
+        let measure = |target: PathBuf| async move {
+            tokio::task::spawn_blocking(move || kopia::regular_file_bytes(&target))
+                .await
+                .map_err(|e| std::io::Error::other(e.to_string()))
+                .and_then(|r| r)
+        };
+        let baseline = tokio::select! {
+            b = measure(req.target.clone()) => b,
+            _ = cancel.cancelled() => return Outcome::canceled("canceled before the uploader started"),
+        };
+        if let Err(e) = &baseline {
+            tracing::warn!(target = %req.target.display(), error = %e, "cannot measure the restore target; the restored size will be kopia's rounded figure");
+        }
         let connected = self
             .kopia_repository_command(kopia::connect(&req.access), &tracking, cancel)
             .await;
         if !connected.kind.is_success() {
             return connected;
         }
-        self.kopia_run(
-            kopia::snapshot_restore(&req.access, &req.snapshot_id, &req.target),
-            Some(&req.target),
-            Direction::Restore,
-            &tracking,
-            cancel,
-        )
-        .await
+        if cancel.is_cancelled() {
+            return Outcome::canceled("canceled before the uploader started");
+        }
+        let mut outcome = self
+            .kopia_run(
+                kopia::snapshot_restore(&req.access, &req.snapshot_id, &req.target),
+                Some(&req.target),
+                Direction::Restore,
+                &tracking,
+                cancel,
+            )
+            .await;
+        let Ok(before) = baseline else {
+            return outcome;
+        };
+        if !outcome.kind.is_success() {
+            return outcome;
+        }
+        let after = match measure(req.target.clone()).await {
+            Ok(a) => a,
+            Err(e) => {
+                tracing::warn!(target = %req.target.display(), error = %e, "cannot measure the restored target; the restored size is kopia's rounded figure");
+                return outcome;
+            }
+        };
+        // Progress came from lower bounds of partial sizes, so the measured size is at least what
+        // was published, unless the restore overwrote files that were there before (then the
+        // difference undercounts): never report less than was reached.
+        let reached = lock(&tracking).tracker.progress().n_completed;
+        let measured = after.saturating_sub(before);
+        if measured < reached {
+            tracing::warn!(
+                measured,
+                reached,
+                "the target grew by less than kopia reported restoring (files overwritten?)"
+            );
+        }
+        let total_bytes = measured.max(reached);
+        let summary = match outcome.summary.take() {
+            Some(s) => {
+                outcome.message = kopia::restore_message(total_bytes, s.total_files);
+                crate::uploader::RunSummaryView { total_bytes, ..s }
+            }
+            None => crate::uploader::RunSummaryView {
+                total_bytes,
+                total_files: 0,
+                bytes_added: 0,
+                files_unmodified: 0,
+            },
+        };
+        outcome.summary = Some(summary);
+        outcome
     }
 
     fn tracking(&self, direction: Direction, sink: &OperationSink) -> Shared {

@@ -9,8 +9,10 @@
 //!   per-entry errors as `\n ! Error when processing "<path>": <error>`, and prints the snapshot
 //!   manifest as one compact JSON line on stdout at the end.
 //! - Byte counts are SI strings with one decimal (`52.4 MB`; base 2 with
-//!   `KOPIA_BYTES_STRING_BASE_2`), so exact counts cannot be recovered from progress lines; the
-//!   manifest's `rootEntry.summ.size` is exact and is the total.
+//!   `KOPIA_BYTES_STRING_BASE_2`), so exact counts cannot be recovered from progress lines: each
+//!   figure is read as the smallest count it could stand for. The manifest's
+//!   `rootEntry.summ.size` is exact and is the backup's total; a restore's total is measured on
+//!   the target by the engine.
 //! - Exit codes are only 0 and 1 (2 on a Go panic): failures are classified by text. The first
 //!   SIGINT/SIGTERM makes kopia save a *partial* snapshot and exit 0 with `incomplete: "canceled"`,
 //!   so exit 0 alone never means complete.
@@ -210,7 +212,13 @@ pub fn snapshot_restore(
 
 /// Parses kopia's human byte strings: `0 B`, `52.4 MB`, `1.2 GB`, `512 KB`/`kB`, and base 2
 /// (`KiB`, `MiB`, `GiB`, ...). The space before the unit is optional and a bare number is bytes.
-/// Exact integer arithmetic (no floats); `None` for anything else or a value above `u64::MAX`.
+///
+/// kopia rounds sizes to the printed precision, so a figure stands for a range of byte counts and
+/// this returns the *smallest* of them: half a unit of the last printed digit below the figure
+/// (`1.3 MB` -> 1,250,000; `2 MiB` -> 1.5 MiB; plain bytes are exact). Progress built from these
+/// values never exceeds the exact size the snapshot manifest reports at the end, so it never has to
+/// go backwards. Exact integer arithmetic (no floats); `None` for anything else or when that
+/// smallest value is above `u64::MAX`.
 pub fn parse_si_bytes(s: &str) -> Option<u64> {
     let s = s.trim();
     let num_end = s
@@ -245,9 +253,20 @@ pub fn parse_si_bytes(s: &str) -> Option<u64> {
             10u128.pow(frac_digits.len() as u32),
         )
     };
-    let whole = int.checked_mul(multiplier)?;
-    let part = (frac.checked_mul(multiplier)? + scale / 2) / scale;
-    u64::try_from(whole.checked_add(part)?).ok()
+    // The figure in units of its last printed digit (`52.4` -> 524 tenths). Every overflow below
+    // means a result far above u64::MAX.
+    let figure = int.checked_mul(scale)?.checked_add(frac)?;
+    let value = if multiplier == 1 || figure == 0 {
+        // Plain bytes are printed exactly (a fraction of a byte is dropped).
+        figure * multiplier / scale
+    } else {
+        // ceil((figure - 1/2) * multiplier / scale): the smallest whole byte count that rounds to
+        // the figure.
+        (figure.checked_mul(2)? - 1)
+            .checked_mul(multiplier)?
+            .div_ceil(2 * scale)
+    };
+    u64::try_from(value).ok()
 }
 
 fn unit_multiplier(unit: &str) -> Option<u128> {
@@ -672,11 +691,7 @@ pub fn classify(
                 format_bytes(s.total_bytes),
                 s.total_files
             ),
-            Some(s) => format!(
-                "restore completed: {} in {} files",
-                format_bytes(s.total_bytes),
-                s.total_files
-            ),
+            Some(s) => restore_message(s.total_bytes, s.total_files),
             None if backup => "completed".to_string(),
             None => "restore completed".to_string(),
         },
@@ -698,6 +713,57 @@ pub fn classify(
         failed_items,
         first_failed_items: facts.first_failed_items.clone(),
     }
+}
+
+/// The message of a successful restore of `total_bytes` in `files` files (the engine writes it
+/// again once it has measured the exact size).
+pub fn restore_message(total_bytes: u64, files: u64) -> String {
+    format!(
+        "restore completed: {} in {files} files",
+        format_bytes(total_bytes)
+    )
+}
+
+/// Bytes of the regular files under `root`, which is not itself followed if it is a symlink;
+/// symlinks inside are neither followed nor counted. Entries that vanish during the walk are
+/// skipped; any other error ends it. Blocking: run it off the async runtime.
+pub fn regular_file_bytes(root: &Path) -> std::io::Result<u64> {
+    use std::io::ErrorKind::NotFound;
+    let mut total: u64 = 0;
+    let meta = std::fs::symlink_metadata(root)?;
+    if meta.is_file() {
+        return Ok(meta.len());
+    }
+    if !meta.is_dir() {
+        return Ok(0);
+    }
+    let mut stack = vec![root.to_path_buf()];
+    while let Some(dir) = stack.pop() {
+        let entries = match std::fs::read_dir(&dir) {
+            Ok(e) => e,
+            Err(e) if e.kind() == NotFound && dir != root => continue,
+            Err(e) => return Err(e),
+        };
+        for entry in entries {
+            let entry = entry?;
+            // The entry's own type: a symlink is a symlink, whatever it points to.
+            let file_type = match entry.file_type() {
+                Ok(t) => t,
+                Err(e) if e.kind() == NotFound => continue,
+                Err(e) => return Err(e),
+            };
+            if file_type.is_dir() {
+                stack.push(entry.path());
+            } else if file_type.is_file() {
+                match entry.metadata() {
+                    Ok(m) => total = total.saturating_add(m.len()),
+                    Err(e) if e.kind() == NotFound => {}
+                    Err(e) => return Err(e),
+                }
+            }
+        }
+    }
+    Ok(total)
 }
 
 /// "snapshot X saved, but 2 items could not be read: a (permission denied), b (...)". `failed` is
@@ -855,18 +921,29 @@ mod tests {
             ("0 B", Some(0)),
             ("1 B", Some(1)),
             ("999 B", Some(999)),
-            ("52.4 MB", Some(52_400_000)),
-            ("1.2 GB", Some(1_200_000_000)),
-            ("512 KB", Some(512_000)),
-            ("512 kB", Some(512_000)),
-            ("0.9 KB", Some(900)),
-            ("3 TB", Some(3_000_000_000_000)),
-            ("1.5 KiB", Some(1536)),
-            ("2 MiB", Some(2 * 1024 * 1024)),
-            ("1.1 GiB", Some(1_181_116_006)),
-            ("4 EB", Some(4_000_000_000_000_000_000)),
-            ("16 EiB", None),
-            ("52.4MB", Some(52_400_000)),
+            // Half a unit of the last printed digit below the figure.
+            ("52.4 MB", Some(52_400_000 - 50_000)),
+            ("1.2 GB", Some(1_200_000_000 - 50_000_000)),
+            ("512 KB", Some(512_000 - 500)),
+            ("512 kB", Some(512_000 - 500)),
+            ("0.9 KB", Some(900 - 50)),
+            ("3 TB", Some(3_000_000_000_000 - 500_000_000_000)),
+            ("0.0 KB", Some(0)),
+            ("0.1 KB", Some(50)),
+            ("1.30 MB", Some(1_300_000 - 5_000)),
+            // 1536 - 51.2 = 1484.8: the smallest whole byte count is 1485.
+            ("1.5 KiB", Some(1485)),
+            ("2 MiB", Some(2 * 1024 * 1024 - 512 * 1024)),
+            // 1.1 GiB = 1_181_116_006.4, less 1/20 GiB = 53_687_091.2: 1_127_428_915.2, rounded up.
+            ("1.1 GiB", Some(1_127_428_916)),
+            ("4 EB", Some(3_500_000_000_000_000_000)),
+            // 16 EiB overflows u64, but the smallest value it stands for (15.5 EiB) does not.
+            ("16 EiB", Some(15 * (1 << 60) + (1 << 59))),
+            ("17 EiB", None),
+            ("18.4 EB", Some(18_350_000_000_000_000_000)),
+            // 18.45e18 > u64::MAX.
+            ("18.5 EB", None),
+            ("52.4MB", Some(52_400_000 - 50_000)),
             ("  7 B  ", Some(7)),
             ("42", Some(42)),
             ("", None),
@@ -898,7 +975,8 @@ mod tests {
         assert_eq!(
             p.parse(b" | 3 hashing, 10 hashed (52.4 MB), 2 cached (1.2 GB), uploaded 40 MB, estimating...   "),
             UploaderEvent::Progress(ProgressSample {
-                bytes_done: 1_252_400_000,
+                // Lower bounds of each figure: 52.35 MB + 1.15 GB.
+                bytes_done: 52_350_000 + 1_150_000_000,
                 total_bytes: None,
                 files_done: 12,
                 total_files: None,
@@ -908,8 +986,9 @@ mod tests {
         assert_eq!(
             p.parse(b" \\ 0 hashing, 5 hashed (1 MB), 0 cached (0 B), uploaded 1 MB (2 fatal errors) (1 errors ignored), estimated 2.5 MB (40.0%) 3s left"),
             UploaderEvent::Progress(ProgressSample {
-                bytes_done: 1_000_000,
-                total_bytes: Some(2_500_000),
+                // "1 MB" could be anything from 0.5 MB; "2.5 MB" from 2.45 MB.
+                bytes_done: 500_000,
+                total_bytes: Some(2_450_000),
                 files_done: 5,
                 total_files: None,
                 scan_finished: true,
@@ -919,8 +998,10 @@ mod tests {
         assert_eq!(
             p.parse(b" * 0 hashing, 7 hashed (3.1 MiB), 1 cached (1 KiB), uploaded 3 MiB, estimated 3 MiB (104.2%) 0s left"),
             UploaderEvent::Progress(ProgressSample {
-                bytes_done: 3_250_586 + 1024,
-                total_bytes: Some(3 * 1024 * 1024),
+                // 3.1 MiB - 0.05 MiB = 3_198_156.8 -> 3_198_157; 1 KiB - 0.5 KiB = 512.
+                bytes_done: 3_198_157 + 512,
+                // 3 MiB - 0.5 MiB.
+                total_bytes: Some(2_621_440),
                 files_done: 8,
                 total_files: None,
                 scan_finished: true,
@@ -1037,8 +1118,8 @@ mod tests {
         assert_eq!(
             p.parse(b"Processed 3 (1.5 MB) of 10 (6 MB)."),
             UploaderEvent::Progress(ProgressSample {
-                bytes_done: 1_500_000,
-                total_bytes: Some(6_000_000),
+                bytes_done: 1_450_000,
+                total_bytes: Some(5_500_000),
                 files_done: 3,
                 total_files: Some(10),
                 scan_finished: false,
@@ -1047,8 +1128,9 @@ mod tests {
         assert_eq!(
             p.parse(b"Processed 9 (4 MB) of 10 (6 MB), skipped 2 (1 MB), ignored 1 errors 2 MB/s (83.3%) remaining 1s.   "),
             UploaderEvent::Progress(ProgressSample {
-                bytes_done: 5_000_000,
-                total_bytes: Some(6_000_000),
+                // Restored "4 MB" (>= 3.5 MB) plus skipped "1 MB" (>= 0.5 MB).
+                bytes_done: 3_500_000 + 500_000,
+                total_bytes: Some(5_500_000),
                 files_done: 9,
                 total_files: Some(10),
                 scan_finished: true,
@@ -1057,7 +1139,7 @@ mod tests {
         assert_eq!(
             p.parse(b"Restored 12 files, 3 directories and 1 symbolic links (5.2 MB)."),
             UploaderEvent::Summary(RunSummary {
-                total_bytes: 5_200_000,
+                total_bytes: 5_150_000,
                 total_files: 13,
                 ..RunSummary::default()
             })
@@ -1065,7 +1147,8 @@ mod tests {
         assert_eq!(
             p.parse(b"Restored 2 files, 1 directories and 0 symbolic links (1 MB), skipped 3 (2 MB), ignored 1 errors."),
             UploaderEvent::Summary(RunSummary {
-                total_bytes: 3_000_000,
+                // "1 MB" restored (>= 0.5 MB) plus "2 MB" skipped (>= 1.5 MB).
+                total_bytes: 500_000 + 1_500_000,
                 total_files: 5,
                 ..RunSummary::default()
             })
@@ -1119,7 +1202,11 @@ mod tests {
         let o = classify(ExitInfo::code(0), &f, false, Direction::Restore);
         assert_eq!(o.kind, OutcomeKind::Success);
         assert_eq!(o.snapshot_id, None);
-        assert_eq!(o.message, "restore completed: 1.9 MiB in 4 files");
+        // "2 MB" is at least 1.5 MB (1.43 MiB); the engine replaces it with the measured size.
+        let summary = o.summary.clone().unwrap();
+        assert_eq!((summary.total_bytes, summary.total_files), (1_500_000, 4));
+        assert_eq!(o.message, "restore completed: 1.4 MiB in 4 files");
+        assert_eq!(o.message, restore_message(1_500_000, 4));
     }
 
     #[test]
@@ -1260,15 +1347,97 @@ mod tests {
         );
     }
 
+    /// kopia's `units.BytesString` (internal/units/units.go): `%.1f` with trailing zeros and dot
+    /// trimmed, the next unit from 0.9 of it on, `T` the largest prefix. From 900 TB on kopia
+    /// prints the figure in P units with the `T` prefix; that is copied too (still a lower bound).
+    fn kopia_bytes_string(b: u64, base2: bool) -> String {
+        let (thousand, prefixes) = if base2 {
+            (1024.0, ["", "Ki", "Mi", "Gi", "Ti"])
+        } else {
+            (1000.0, ["", "K", "M", "G", "T"])
+        };
+        let nice = |f: f64| {
+            let s = format!("{f:.1}");
+            s.trim_end_matches('0').trim_end_matches('.').to_string()
+        };
+        let mut f = b as f64;
+        for p in prefixes {
+            if f < 0.9 * thousand {
+                return format!("{} {p}B", nice(f));
+            }
+            f /= thousand;
+        }
+        format!("{} {}B", nice(f), prefixes[4])
+    }
+
+    #[test]
+    fn si_bytes_of_kopias_own_strings() {
+        // Values that kopia rounds up: the parsed figure must not exceed them.
+        for (b, text, want) in [
+            (1_260_000, "1.3 MB", 1_250_000),
+            (1_960_000, "2 MB", 1_500_000),
+            (899_999, "900 KB", 899_500),
+            (950_000, "0.9 MB", 850_000),
+            (999, "1 KB", 500),
+            (899, "899 B", 899),
+        ] {
+            assert_eq!(kopia_bytes_string(b, false), text);
+            let v = parse_si_bytes(text).unwrap();
+            assert_eq!(v, want, "{text}");
+            assert!(v <= b, "{text}: {v} > {b}");
+        }
+        assert_eq!(kopia_bytes_string(3_250_586, true), "3.1 MiB");
+    }
+
+    #[test]
+    fn regular_file_bytes_counts_files_and_follows_no_symlinks() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().join("root");
+        std::fs::create_dir_all(root.join("a/b")).unwrap();
+        std::fs::write(root.join("top"), vec![0u8; 1000]).unwrap();
+        std::fs::write(root.join("a/one"), vec![0u8; 20]).unwrap();
+        std::fs::write(root.join("a/b/two"), vec![0u8; 3]).unwrap();
+        std::fs::write(root.join("a/b/empty"), b"").unwrap();
+        // Outside the tree, reachable only through symlinks.
+        let outside = dir.path().join("outside");
+        std::fs::create_dir(&outside).unwrap();
+        std::fs::write(outside.join("big"), vec![0u8; 50_000]).unwrap();
+        std::os::unix::fs::symlink(&outside, root.join("a/to-dir")).unwrap();
+        std::os::unix::fs::symlink(outside.join("big"), root.join("to-file")).unwrap();
+        std::os::unix::fs::symlink("/nonexistent", root.join("dangling")).unwrap();
+        assert_eq!(regular_file_bytes(&root).unwrap(), 1023);
+        assert_eq!(regular_file_bytes(&root.join("a/b/two")).unwrap(), 3);
+        // A symlinked root is not followed either.
+        let link = dir.path().join("link");
+        std::os::unix::fs::symlink(&outside, &link).unwrap();
+        assert_eq!(regular_file_bytes(&link).unwrap(), 0);
+        assert_eq!(regular_file_bytes(&outside).unwrap(), 50_000);
+        assert!(regular_file_bytes(&dir.path().join("missing")).is_err());
+    }
+
     proptest! {
+        #[test]
+        fn si_bytes_never_exceed_what_kopia_printed(b in 0u64..900_000_000_000_000, base2 in any::<bool>()) {
+            let text = kopia_bytes_string(b, base2);
+            let v = parse_si_bytes(&text).unwrap();
+            prop_assert!(v <= b, "{} parsed as {} > {}", text, v, b);
+            // And not far below: less than one unit of the printed figure.
+            let unit = unit_multiplier(text.split_once(' ').unwrap().1).unwrap() as u64;
+            prop_assert!(b - v < unit, "{} parsed as {}, {} below {}", text, v, b - v, b);
+        }
+
         #[test]
         fn si_bytes_never_panics(s in ".{0,40}") {
             let _ = parse_si_bytes(&s);
         }
 
         #[test]
-        fn si_bytes_round_trips_integers(n in 0u64..1_000_000_000, unit in prop::sample::select(vec![("B", 1u64), ("KB", 1000), ("kB", 1000), ("MB", 1_000_000), ("KiB", 1024), ("MiB", 1 << 20), ("GiB", 1 << 30)])) {
-            prop_assert_eq!(parse_si_bytes(&format!("{n} {}", unit.0)), Some(n * unit.1));
+        fn si_bytes_is_a_lower_bound_of_integers(n in 0u64..1_000_000_000, unit in prop::sample::select(vec![("B", 1u64), ("KB", 1000), ("kB", 1000), ("MB", 1_000_000), ("KiB", 1024), ("MiB", 1 << 20), ("GiB", 1 << 30)])) {
+            // The smallest value the printed figure could stand for: half a unit below it (plain
+            // bytes and zero are exact).
+            let v = parse_si_bytes(&format!("{n} {}", unit.0)).unwrap();
+            let want = if unit.1 == 1 || n == 0 { n * unit.1 } else { n * unit.1 - unit.1 / 2 };
+            prop_assert_eq!(v, want);
         }
 
         #[test]
