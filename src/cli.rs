@@ -26,6 +26,8 @@ pub enum Command {
     /// Restore a snapshot into a directory, with live progress.
     Restore(RestoreArgs),
     /// Run the node agent: handle this node's PodVolumeBackups and PodVolumeRestores.
+    /// A flag given twice takes its last value (manifest defaults, then overrides).
+    #[command(args_override_self = true)]
     Run(Box<RunArgs>),
     /// Print the PodVolumeBackup and PodVolumeRestore CRDs (YAML) for clusters without Velero.
     Crds,

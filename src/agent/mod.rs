@@ -1,11 +1,373 @@
 //! The node agent: watches this node's PodVolumeBackups and PodVolumeRestores and runs them.
+//!
+//! ```text
+//! watch (objects for this node) -> reconcile (claim / queue / cancel; returns at once)
+//!   -> registry (concurrency, cancel tokens) -> engine operation (uploader, progress)
+//!   -> monitor (one status write per interval when changed) -> terminal write (one patch, durable)
+//! ```
+
+pub mod admin;
+pub mod backup;
+pub mod metrics;
+pub mod registry;
+pub mod restore;
+pub mod state;
+pub mod status;
+pub mod transfer;
+pub mod volume;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::Secret;
+use kube::runtime::controller::{Action, Controller};
+use kube::runtime::events::{Recorder, Reporter};
+use kube::runtime::reflector::Store;
+use kube::runtime::watcher;
+use kube::{Api, Client};
+use tokio_util::sync::CancellationToken;
 
 use crate::cli::RunArgs;
+use crate::crd::{PodVolumeBackup, PodVolumeRestore, UploaderType};
+use crate::engine::{Engine, EngineConfig};
+use crate::uploader::{RepositoryAccess, UploaderKind};
+use metrics::Metrics;
+use registry::{CancelReason, Registry};
+use state::StateDir;
 
-pub mod volume;
+/// Errors of a reconcile; the object is retried after a short wait.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("API request failed: {0}")]
+    Kube(#[source] kube::Error),
+    #[error("status write failed: {0}")]
+    Write(#[source] status::WriteError),
+}
+
+/// Everything reconcilers and transfers share.
+pub struct Context {
+    pub client: Client,
+    pub args: RunArgs,
+    pub engine: Arc<Engine>,
+    pub registry: Registry,
+    pub metrics: Arc<Metrics>,
+    pub recorder: Recorder,
+    pub pvb_store: Store<PodVolumeBackup>,
+    pub state: StateDir,
+    /// Set on SIGTERM/SIGINT: stop claiming, stop children, leave objects for the next start.
+    pub shutdown: CancellationToken,
+    /// Whether each kind has the status subresource (our CRDs) or not (Velero's).
+    pub pvb_status_subresource: bool,
+    pub pvr_status_subresource: bool,
+}
+
+/// How long finished operations stay visible in the operations API.
+pub const RETENTION: Duration = Duration::from_secs(3600);
+
+pub fn uploader_of(ctx: &Context, t: Option<UploaderType>) -> UploaderKind {
+    match t {
+        Some(UploaderType::Restic) => UploaderKind::Restic,
+        Some(UploaderType::Kopia) => UploaderKind::Kopia,
+        _ => ctx.args.default_uploader,
+    }
+}
+
+/// The repository and its password file for one operation. The password comes from
+/// `--repo-password-file` or from the Secret, written to a private file in the scratch dir (the
+/// uploader reads it; it never travels in argv or logs).
+pub async fn repository_access(
+    ctx: &Context,
+    repo: &str,
+    uploader: UploaderKind,
+) -> Result<RepositoryAccess, String> {
+    if repo.is_empty() {
+        return Err("spec.repoIdentifier is empty: no repository to use".to_string());
+    }
+    let password_file = match &ctx.args.repo_password_file {
+        Some(f) => f.clone(),
+        None => secret_password_file(ctx).await?,
+    };
+    let cache_dir = ctx
+        .args
+        .scratch_dir
+        .join(".cache")
+        .join(uploader.to_string());
+    Ok(RepositoryAccess {
+        repository: repo.to_string(),
+        password_file,
+        cache_dir,
+        extra_env: Vec::new(),
+    })
+}
+
+const SECRET_NAME: &str = "velero-repo-credentials";
+const SECRET_KEY: &str = "repository-password";
+
+async fn secret_password_file(ctx: &Context) -> Result<PathBuf, String> {
+    let secrets: Api<Secret> = Api::namespaced(ctx.client.clone(), &ctx.args.namespace);
+    let secret = secrets
+        .get_opt(SECRET_NAME)
+        .await
+        .map_err(|e| {
+            format!(
+                "cannot read Secret {}/{SECRET_NAME}: {e}",
+                ctx.args.namespace
+            )
+        })?
+        .ok_or_else(|| format!("Secret {}/{SECRET_NAME} not found", ctx.args.namespace))?;
+    let value = secret
+        .data
+        .as_ref()
+        .and_then(|d| d.get(SECRET_KEY))
+        .ok_or_else(|| {
+            format!(
+                "Secret {}/{SECRET_NAME} has no key {SECRET_KEY}",
+                ctx.args.namespace
+            )
+        })?;
+    let dir = ctx.args.scratch_dir.join("credentials");
+    write_private(&dir, "repository-password", &value.0)
+        .map_err(|e| format!("cannot write the password file: {e}"))
+}
+
+/// Writes a file only its owner can read, atomically.
+fn write_private(dir: &std::path::Path, name: &str, data: &[u8]) -> std::io::Result<PathBuf> {
+    use std::io::Write;
+    use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)?;
+    let path = dir.join(name);
+    let tmp = dir.join(format!(".{name}.tmp"));
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(&tmp)?;
+    f.write_all(data)?;
+    f.sync_all()?;
+    std::fs::rename(&tmp, &path)?;
+    Ok(path)
+}
+
+async fn client(args: &RunArgs) -> Result<Client, String> {
+    let config = match &args.kubeconfig {
+        Some(path) => {
+            let kc = kube::config::Kubeconfig::read_from(path)
+                .map_err(|e| format!("kubeconfig {}: {e}", path.display()))?;
+            kube::Config::from_custom_kubeconfig(kc, &kube::config::KubeConfigOptions::default())
+                .await
+                .map_err(|e| format!("kubeconfig {}: {e}", path.display()))?
+        }
+        None => kube::Config::incluster().map_err(|e| format!("in-cluster configuration: {e}"))?,
+    };
+    Client::try_from(config).map_err(|e| format!("Kubernetes client: {e}"))
+}
+
+/// Which velero.io kinds are served and whether they have the status subresource. Retried until
+/// the API server answers: an agent that starts before its API server must not crash.
+async fn discover(client: &Client, shutdown: &CancellationToken) -> Option<(bool, bool)> {
+    let mut backoff = Duration::from_secs(1);
+    loop {
+        match client.list_api_group_resources("velero.io/v1").await {
+            Ok(list) => {
+                let has = |n: &str| list.resources.iter().any(|r| r.name == n);
+                if has("podvolumebackups") && has("podvolumerestores") {
+                    let flavour = (
+                        has("podvolumebackups/status"),
+                        has("podvolumerestores/status"),
+                    );
+                    tracing::info!(
+                        pvb_status_subresource = flavour.0,
+                        pvr_status_subresource = flavour.1,
+                        "velero.io/v1 CRDs found"
+                    );
+                    return Some(flavour);
+                }
+                tracing::warn!(
+                    "the PodVolumeBackup/PodVolumeRestore CRDs are not installed; waiting"
+                );
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, retry_in = ?backoff, "cannot read API discovery for velero.io/v1; retrying")
+            }
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(backoff) => {}
+            _ = shutdown.cancelled() => return None,
+        }
+        backoff = (backoff * 2).min(Duration::from_secs(30));
+    }
+}
+
+fn error_policy<K>(_obj: Arc<K>, error: &Error, _ctx: Arc<Context>) -> Action {
+    tracing::warn!(%error, "reconcile failed; retrying in 5s");
+    Action::requeue(Duration::from_secs(5))
+}
+
+async fn log_controller_result<T: std::fmt::Debug, E: std::fmt::Display>(r: Result<T, E>) {
+    if let Err(e) = r {
+        tracing::warn!(error = %e, "controller");
+    }
+}
+
+/// A controller over a watch whose first complete list sets `synced`.
+fn controller_for<K>(api: Api<K>, synced: Arc<AtomicBool>) -> (Controller<K>, Store<K>)
+where
+    K: kube::Resource<DynamicType = ()>
+        + Clone
+        + std::fmt::Debug
+        + serde::de::DeserializeOwned
+        + Send
+        + Sync
+        + 'static,
+{
+    use kube::runtime::WatchStreamExt;
+    let (reader, writer) = kube::runtime::reflector::store();
+    let stream = watcher(api, watcher::Config::default())
+        .default_backoff()
+        .inspect(move |ev| {
+            if let Ok(watcher::Event::InitDone) = ev {
+                synced.store(true, Ordering::SeqCst);
+            }
+        })
+        .reflect(writer)
+        .touched_objects();
+    (Controller::for_stream(stream, reader.clone()), reader)
+}
 
 /// Runs the agent until SIGTERM/SIGINT; returns the process exit code.
 pub async fn run(args: RunArgs) -> i32 {
-    tracing::error!(node = %args.node_name, "the node agent is not implemented yet");
-    1
+    let shutdown = CancellationToken::new();
+    let ready = Arc::new(AtomicBool::new(false));
+    let metrics = Arc::new(Metrics::new(&args.node_name));
+    let registry = Registry::new(args.concurrency as usize, RETENTION);
+
+    // Signals first, so a SIGTERM during start-up is honoured.
+    {
+        let shutdown = shutdown.clone();
+        tokio::spawn(async move {
+            use tokio::signal::unix::{SignalKind, signal};
+            let (Ok(mut term), Ok(mut int)) = (
+                signal(SignalKind::terminate()),
+                signal(SignalKind::interrupt()),
+            ) else {
+                return;
+            };
+            tokio::select! { _ = term.recv() => {}, _ = int.recv() => {} }
+            tracing::info!("shutting down: no new claims, stopping running transfers");
+            shutdown.cancel();
+        });
+    }
+    let admin_state = admin::AdminState {
+        ready: ready.clone(),
+        shutdown: shutdown.clone(),
+        metrics: metrics.clone(),
+        registry: registry.clone(),
+        ops: Arc::new(tokio::sync::OnceCell::new()),
+    };
+    let listener = match tokio::net::TcpListener::bind(args.listen_address).await {
+        Ok(l) => l,
+        Err(e) => {
+            tracing::error!(address = %args.listen_address, error = %e, "cannot listen");
+            return 1;
+        }
+    };
+    tokio::spawn(admin::serve(listener, admin_state.clone()));
+
+    let client = match client(&args).await {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::error!("{e}");
+            return 1;
+        }
+    };
+    let Some((pvb_sub, pvr_sub)) = discover(&client, &shutdown).await else {
+        return 0;
+    };
+    let state = match StateDir::open(&args.state_dir) {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::error!(dir = %args.state_dir.display(), error = %e, "cannot open the state dir");
+            return 1;
+        }
+    };
+    let engine = Engine::new(EngineConfig {
+        restic_binary: args.restic_binary.clone(),
+        kopia_binary: args.kopia_binary.clone(),
+        update_interval: args.update_interval,
+        cancel_grace: args.cancel_grace,
+        init_missing_repository: !args.no_init,
+        lock_wait: args.lock_wait,
+        ..EngineConfig::default()
+    });
+    let pvbs: Api<PodVolumeBackup> = Api::namespaced(client.clone(), &args.namespace);
+    let pvrs: Api<PodVolumeRestore> = Api::namespaced(client.clone(), &args.namespace);
+    let pvb_synced = Arc::new(AtomicBool::new(false));
+    let pvr_synced = Arc::new(AtomicBool::new(false));
+    let (pvb_controller, pvb_store) = controller_for(pvbs, pvb_synced.clone());
+    let (pvr_controller, _pvr_store) = controller_for(pvrs, pvr_synced.clone());
+    let reporter = Reporter {
+        controller: "podvolume-agent".into(),
+        instance: Some(args.node_name.clone()),
+    };
+    let ctx = Arc::new(Context {
+        recorder: Recorder::new(client.clone(), reporter),
+        client,
+        engine,
+        registry: registry.clone(),
+        metrics,
+        pvb_store: pvb_store.clone(),
+        state,
+        shutdown: shutdown.clone(),
+        pvb_status_subresource: pvb_sub,
+        pvr_status_subresource: pvr_sub,
+        args: args.clone(),
+    });
+    let _ = admin_state.ops.set(ctx.clone());
+    {
+        // Ready once both watches have listed once (and stay ready across re-lists).
+        let ready = ready.clone();
+        tokio::spawn(async move {
+            while !(pvb_synced.load(Ordering::SeqCst) && pvr_synced.load(Ordering::SeqCst)) {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            tracing::info!("watches synced; ready");
+            ready.store(true, Ordering::SeqCst);
+        });
+    }
+    {
+        // Shutdown: tell every running transfer to stop (leaving its object for the next start).
+        let registry = registry.clone();
+        let shutdown = shutdown.clone();
+        tokio::spawn(async move {
+            shutdown.cancelled().await;
+            registry.cancel_all(CancelReason::Shutdown);
+        });
+    }
+    let pvb_run = pvb_controller
+        .graceful_shutdown_on(shutdown.clone().cancelled_owned())
+        .run(backup::reconcile, error_policy, ctx.clone())
+        .for_each(log_controller_result);
+    let pvr_run = pvr_controller
+        .graceful_shutdown_on(shutdown.clone().cancelled_owned())
+        .run(restore::reconcile, error_policy, ctx.clone())
+        .for_each(log_controller_result);
+    tracing::info!(node = %args.node_name, namespace = %args.namespace, "node agent started");
+    futures::join!(pvb_run, pvr_run);
+    // Transfers stop with SIGINT, SIGKILL after the grace period, then `restic unlock`.
+    let bound = args.cancel_grace + Duration::from_secs(20);
+    if tokio::time::timeout(bound, registry.drained())
+        .await
+        .is_err()
+    {
+        tracing::warn!("some transfers did not stop in time");
+    }
+    tracing::info!("stopped");
+    0
 }

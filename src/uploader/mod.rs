@@ -143,6 +143,22 @@ pub enum OutcomeKind {
 }
 
 impl OutcomeKind {
+    /// A short fixed name, for metric labels and logs.
+    pub fn class(&self) -> &'static str {
+        match self {
+            OutcomeKind::Success => "success",
+            OutcomeKind::Partial => "partial",
+            OutcomeKind::RepositoryMissing => "repository_missing",
+            OutcomeKind::WrongPassword => "wrong_password",
+            OutcomeKind::Locked => "locked",
+            OutcomeKind::Interrupted => "interrupted",
+            OutcomeKind::KilledBySignal { .. } => "killed_by_signal",
+            OutcomeKind::Canceled => "canceled",
+            OutcomeKind::SourceMissing => "source_missing",
+            OutcomeKind::Failed => "failed",
+        }
+    }
+
     pub fn is_success(&self) -> bool {
         matches!(self, OutcomeKind::Success)
     }

@@ -1,0 +1,376 @@
+//! PodVolumeBackups: reconcile (claim, queue, cancel — returns at once) and the backup itself.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+
+use k8s_openapi::api::core::v1::Pod;
+use kube::runtime::controller::Action;
+use kube::{Api, ResourceExt};
+use serde_json::{Value, json};
+use tokio_util::sync::CancellationToken;
+
+use super::registry::{CancelReason, CancelResult, OperationKind};
+use super::status::{ObjectWriter, VolumeObject, WriteError, now_rfc3339};
+use super::transfer::{self, event, finish, monitor, terminal_phase};
+use super::{Context, Error, volume};
+use crate::crd::{ATTEMPTS_ANNOTATION, Phase, PodVolumeBackup};
+use crate::engine::BackupRequest;
+use crate::uploader::restic::BackupOptions;
+use crate::uploader::{OutcomeKind, UploaderKind};
+
+pub const PVC_UID_LABEL: &str = "velero.io/pvc-uid";
+
+fn writer(ctx: &Context, pvb: &PodVolumeBackup) -> ObjectWriter<PodVolumeBackup> {
+    let api: Api<PodVolumeBackup> =
+        Api::namespaced(ctx.client.clone(), &pvb.namespace().unwrap_or_default());
+    ObjectWriter::new(api, pvb, ctx.pvb_status_subresource, ctx.metrics.clone())
+}
+
+pub async fn reconcile(pvb: Arc<PodVolumeBackup>, ctx: Arc<Context>) -> Result<Action, Error> {
+    use tracing::Instrument;
+    let span = tracing::debug_span!("pvb", namespace = %pvb.namespace().unwrap_or_default(), name = %pvb.name_any());
+    reconcile_inner(pvb, ctx).instrument(span).await
+}
+
+async fn reconcile_inner(pvb: Arc<PodVolumeBackup>, ctx: Arc<Context>) -> Result<Action, Error> {
+    // Objects of other nodes cost nothing: no reads, no writes.
+    if pvb.spec.node != ctx.args.node_name || ctx.shutdown.is_cancelled() {
+        return Ok(Action::await_change());
+    }
+    let uid = pvb.uid().unwrap_or_default();
+    let phase = pvb.phase();
+    if phase.is_terminal() {
+        if pvb.finalizers().iter().any(|f| f == crate::crd::FINALIZER) {
+            transfer::remove_finalizer(&mut writer(&ctx, &pvb)).await;
+        }
+        return Ok(Action::await_change());
+    }
+    if let Some(saved) = ctx.state.load(&uid) {
+        // A result the API server never received (it was down, then we restarted).
+        tracing::info!("writing a saved result");
+        let mut w = writer(&ctx, &pvb);
+        return if finish(&ctx, &*pvb, &mut w, saved.status, &ctx.shutdown).await {
+            Ok(Action::await_change())
+        } else {
+            Ok(Action::requeue(Duration::from_secs(5)))
+        };
+    }
+    let cancel = pvb.cancel_requested();
+    let reason = if pvb.metadata.deletion_timestamp.is_some() {
+        CancelReason::Deleted
+    } else {
+        CancelReason::Requested
+    };
+    if ctx.registry.is_active(&uid) {
+        if cancel && ctx.registry.cancel(&uid, reason) == CancelResult::WasQueued {
+            cancel_now(&ctx, &pvb, reason).await?;
+        }
+        return Ok(Action::await_change());
+    }
+    if cancel {
+        cancel_now(&ctx, &pvb, reason).await?;
+        return Ok(Action::await_change());
+    }
+    let pvb = match phase {
+        Phase::New => match claim(&ctx, &pvb).await? {
+            Some(p) => p,
+            None => return Ok(Action::await_change()),
+        },
+        _ => (*pvb).clone(),
+    };
+    submit(&ctx, pvb);
+    Ok(Action::await_change())
+}
+
+/// New -> Accepted, only if nobody changed the object since we saw it.
+async fn claim(ctx: &Context, pvb: &PodVolumeBackup) -> Result<Option<PodVolumeBackup>, Error> {
+    let mut w = writer(ctx, pvb);
+    let status = json!({ "phase": Phase::Accepted.as_str(), "acceptedTimestamp": now_rfc3339(), "message": "accepted by node agent, waiting for a slot" });
+    let meta = transfer::claim_metadata(pvb);
+    // Finalizer first (main object), then status: a crash in between leaves an object we still
+    // pick up (New with our finalizer), never an Accepted one a deletion would not cancel.
+    if let Some(meta) = meta {
+        match w.write(None, Some(meta)).await {
+            Ok(_) => {}
+            Err(WriteError::Gone) => return Ok(None),
+            Err(e) => return Err(Error::Write(e)),
+        }
+    }
+    match w.write(Some(status), None).await {
+        Ok(o) => {
+            ctx.metrics.backup_enqueued();
+            event(
+                ctx,
+                &o,
+                false,
+                "Accepted",
+                format!("accepted by the node agent on {}", ctx.args.node_name),
+            )
+            .await;
+            Ok(Some(o))
+        }
+        Err(WriteError::Gone | WriteError::Terminal(_)) => Ok(None),
+        Err(e) => Err(Error::Write(e)),
+    }
+}
+
+/// Cancel before the transfer started: straight to Canceled.
+async fn cancel_now(
+    ctx: &Context,
+    pvb: &PodVolumeBackup,
+    reason: CancelReason,
+) -> Result<(), Error> {
+    let mut w = writer(ctx, pvb);
+    let status = json!({
+        "phase": Phase::Canceled.as_str(),
+        "message": format!("{} before the backup started", transfer::reason_text(ctx, reason)),
+    });
+    if finish(ctx, pvb, &mut w, status, &ctx.shutdown).await {
+        ctx.metrics.finished("backup", "cancel", Duration::ZERO, 0);
+        event(
+            ctx,
+            pvb,
+            false,
+            "Canceled",
+            "canceled before the backup started".into(),
+        )
+        .await;
+    }
+    Ok(())
+}
+
+fn submit(ctx: &Arc<Context>, pvb: PodVolumeBackup) {
+    let uid = pvb.uid().unwrap_or_default();
+    let order = pvb
+        .status
+        .as_ref()
+        .and_then(|s| s.accepted_timestamp.as_ref())
+        .or(pvb.metadata.creation_timestamp.as_ref())
+        .map(|t| SystemTime::from(t.0))
+        .unwrap_or_else(SystemTime::now);
+    let ctx2 = Arc::clone(ctx);
+    let ns = pvb.namespace().unwrap_or_default();
+    let name = pvb.name_any();
+    ctx.registry.submit(
+        &uid,
+        OperationKind::Backup,
+        &ns,
+        &name,
+        order,
+        Box::new(move |token| Box::pin(async move { run(ctx2, pvb, token).await })),
+    );
+    ctx.metrics
+        .set_operations(ctx.registry.running(), ctx.registry.queued());
+}
+
+/// The backup, from its slot to its terminal write.
+async fn run(ctx: Arc<Context>, pvb: PodVolumeBackup, token: CancellationToken) {
+    let uid = pvb.uid().unwrap_or_default();
+    use tracing::Instrument;
+    let span = tracing::info_span!("backup", namespace = %pvb.namespace().unwrap_or_default(), name = %pvb.name_any(), uid = %uid, node = %ctx.args.node_name);
+    async {
+        let started = Instant::now();
+        let mut w = writer(&ctx, &pvb);
+        // Re-read: the object may have changed while it waited for a slot.
+        let pvb = match w.refresh().await {
+            Ok(p) if p.phase().is_terminal() => return,
+            Ok(p) => p,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot read the object before starting");
+                return;
+            }
+        };
+        if token.is_cancelled() || pvb.cancel_requested() {
+            let reason = ctx.registry.cancel_reason(&uid).unwrap_or(CancelReason::Requested);
+            if reason != CancelReason::Shutdown {
+                let _ = cancel_now(&ctx, &pvb, reason).await;
+            }
+            return;
+        }
+        // Interrupted runs (agent restarts) are counted, and bounded.
+        let starts = attempts_of(&pvb);
+        if starts >= ctx.args.max_attempts.max(1) {
+            let status = failed(format!(
+                "the backup was started {starts} times and each run was interrupted by a node agent restart; giving up"
+            ));
+            end(&ctx, &pvb, &mut w, status, "failure", started, 0).await;
+            return;
+        }
+        let prepared = match prepare(&ctx, &pvb).await {
+            Ok(p) => p,
+            Err(message) => {
+                end(&ctx, &pvb, &mut w, failed(message), "failure", started, 0).await;
+                return;
+            }
+        };
+        let status = json!({
+            "phase": Phase::InProgress.as_str(),
+            "startTimestamp": now_rfc3339(),
+            "path": prepared.request.source.display().to_string(),
+            "message": "starting",
+        });
+        let meta = json!({ "annotations": { ATTEMPTS_ANNOTATION: (starts + 1).to_string() } });
+        if let Err(e) = w.write(None, Some(meta)).await {
+            tracing::warn!(error = %e, "cannot record the attempt");
+        }
+        match w.write(Some(status), None).await {
+            Ok(_) => {}
+            Err(WriteError::Terminal(_) | WriteError::Gone) => return,
+            Err(e) => {
+                // Not started: the object stays Accepted and is picked up again.
+                tracing::warn!(error = %e, "cannot mark the backup InProgress");
+                return;
+            }
+        }
+        ctx.registry.set_phase(&uid, Phase::InProgress.as_str());
+        event(&ctx, &pvb, false, "Started", format!("backing up {} with {}", prepared.request.source.display(), prepared.request.uploader)).await;
+
+        let op = ctx.engine.backup(prepared.request);
+        ctx.registry.attach(&uid, op.clone());
+        let reason = monitor(&ctx, &pvb, &mut w, &uid, &op, &token).await;
+        let outcome = op.wait().await;
+        let progress = op.progress();
+        ctx.registry.set_final(&uid, progress.clone());
+        ctx.metrics.uploader_exit(outcome.kind.class());
+        if reason == Some(CancelReason::Shutdown) {
+            tracing::info!("left for the next agent start to run again");
+            return;
+        }
+        let phase = terminal_phase(&outcome.kind, reason, ctx.args.partial_as_completed);
+        let message = match (phase, reason) {
+            (Phase::Canceled | Phase::Failed, Some(r)) if outcome.kind == OutcomeKind::Canceled => {
+                format!("{}; the uploader was stopped", transfer::reason_text(&ctx, r))
+            }
+            _ => outcome.message.clone(),
+        };
+        let mut status = transfer::progress_status(&progress);
+        status["phase"] = Value::String(phase.as_str().to_string());
+        status["message"] = Value::String(message.clone());
+        status["snapshotID"] = Value::String(outcome.snapshot_id.clone().unwrap_or_default());
+        if let Some(s) = &outcome.summary {
+            status["incrementalBytes"] = json!(i64::try_from(s.bytes_added).unwrap_or(i64::MAX));
+        }
+        let result = match phase {
+            Phase::Completed => "success",
+            Phase::Canceled => "cancel",
+            _ => "failure",
+        };
+        end(&ctx, &pvb, &mut w, status, result, started, progress.n_completed).await;
+    }
+    .instrument(span)
+    .await
+}
+
+fn failed(message: String) -> Value {
+    json!({ "phase": Phase::Failed.as_str(), "message": message })
+}
+
+async fn end(
+    ctx: &Context,
+    pvb: &PodVolumeBackup,
+    w: &mut ObjectWriter<PodVolumeBackup>,
+    status: Value,
+    result: &str,
+    started: Instant,
+    bytes: u64,
+) {
+    let phase = status["phase"].as_str().unwrap_or("").to_string();
+    let message = status["message"].as_str().unwrap_or("").to_string();
+    let uid = pvb.uid().unwrap_or_default();
+    ctx.registry.set_phase(&uid, &phase);
+    if finish(ctx, pvb, w, status, &ctx.shutdown).await {
+        ctx.metrics
+            .finished("backup", result, started.elapsed(), bytes);
+        event(ctx, pvb, result == "failure", &phase, message).await;
+    }
+    ctx.metrics.set_operations(
+        ctx.registry.running().saturating_sub(1),
+        ctx.registry.queued(),
+    );
+}
+
+fn attempts_of(pvb: &PodVolumeBackup) -> u32 {
+    pvb.annotations()
+        .get(ATTEMPTS_ANNOTATION)
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
+struct Prepared {
+    request: BackupRequest,
+}
+
+/// Finds the volume, the credentials and the parent snapshot. Errors are messages for the
+/// object's status.
+async fn prepare(ctx: &Context, pvb: &PodVolumeBackup) -> Result<Prepared, String> {
+    let pod_ns = pvb.spec.pod.namespace.clone().unwrap_or_default();
+    let pod_name = pvb.spec.pod.name.clone().unwrap_or_default();
+    let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &pod_ns);
+    let pod = match pods.get_opt(&pod_name).await {
+        Ok(Some(p)) => p,
+        Ok(None) => return Err(format!("pod {pod_ns}/{pod_name} not found")),
+        Err(e) => return Err(format!("cannot read pod {pod_ns}/{pod_name}: {e}")),
+    };
+    let source = volume::resolve(&ctx.client, &ctx.args.host_pods_dir, &pod, &pvb.spec.volume)
+        .await
+        .map_err(|e| format!("cannot locate volume {}: {e}", pvb.spec.volume))?;
+    let uploader = super::uploader_of(ctx, pvb.spec.uploader_type);
+    let access = super::repository_access(ctx, &pvb.spec.repo_identifier, uploader).await?;
+    let tags: Vec<(String, String)> = pvb
+        .spec
+        .tags
+        .clone()
+        .unwrap_or_default()
+        .into_iter()
+        .collect();
+    let parent = if uploader == UploaderKind::Restic {
+        parent_snapshot(ctx, pvb)
+    } else {
+        None
+    };
+    if let Some(p) = &parent {
+        tracing::info!(parent = %p, "incremental backup from the previous snapshot of this claim");
+    }
+    Ok(Prepared {
+        request: BackupRequest {
+            uploader,
+            access,
+            source,
+            options: BackupOptions {
+                host: "velero".to_string(),
+                tags,
+                parent,
+                limit_upload_kib: pvb
+                    .spec
+                    .uploader_settings
+                    .as_ref()
+                    .and_then(|s| s.get("LimitUploadKiB"))
+                    .and_then(|v| v.parse().ok()),
+                retry_lock: None,
+                verbose: false,
+            },
+        },
+    })
+}
+
+/// The snapshot of the most recent Completed backup of the same claim and storage location, as
+/// Velero chose the parent. Read from the watch cache: no API call.
+pub fn parent_snapshot(ctx: &Context, pvb: &PodVolumeBackup) -> Option<String> {
+    let pvc_uid = pvb.labels().get(PVC_UID_LABEL)?.clone();
+    ctx.pvb_store
+        .state()
+        .into_iter()
+        .filter(|o| {
+            o.labels().get(PVC_UID_LABEL) == Some(&pvc_uid)
+                && o.spec.backup_storage_location == pvb.spec.backup_storage_location
+                && o.phase() == Phase::Completed
+                && o.uid() != pvb.uid()
+        })
+        .filter_map(|o| {
+            let s = o.status.as_ref()?;
+            let id = s.snapshot_id.clone().filter(|id| !id.is_empty())?;
+            Some((s.completion_timestamp.as_ref().map(|t| t.0), id))
+        })
+        .max_by_key(|(t, _)| *t)
+        .map(|(_, id)| id)
+}

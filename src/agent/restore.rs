@@ -1,0 +1,344 @@
+//! PodVolumeRestores: selected when the target pod runs on this node; restored into its volume,
+//! then the done-file Velero's restore-helper init container waits for.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+
+use k8s_openapi::api::core::v1::Pod;
+use kube::runtime::controller::Action;
+use kube::{Api, ResourceExt};
+use serde_json::{Value, json};
+use tokio_util::sync::CancellationToken;
+
+use super::registry::{CancelReason, CancelResult, OperationKind};
+use super::status::{ObjectWriter, VolumeObject, WriteError, now_rfc3339};
+use super::transfer::{self, event, finish, monitor, terminal_phase};
+use super::{Context, Error, volume};
+use crate::crd::{ATTEMPTS_ANNOTATION, Phase, PodVolumeRestore};
+use crate::engine::RestoreRequest;
+use crate::uploader::OutcomeKind;
+
+pub const RESTORE_UID_LABEL: &str = "velero.io/restore-uid";
+
+fn writer(ctx: &Context, pvr: &PodVolumeRestore) -> ObjectWriter<PodVolumeRestore> {
+    let api: Api<PodVolumeRestore> =
+        Api::namespaced(ctx.client.clone(), &pvr.namespace().unwrap_or_default());
+    ObjectWriter::new(api, pvr, ctx.pvr_status_subresource, ctx.metrics.clone())
+}
+
+/// The target pod, when it runs on this node. One read, no writes, for restores of other nodes.
+async fn target_pod(ctx: &Context, pvr: &PodVolumeRestore) -> Result<Option<Pod>, Error> {
+    let ns = pvr.spec.pod.namespace.clone().unwrap_or_default();
+    let name = pvr.spec.pod.name.clone().unwrap_or_default();
+    if ns.is_empty() || name.is_empty() {
+        return Ok(None);
+    }
+    let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &ns);
+    let pod = pods.get_opt(&name).await.map_err(Error::Kube)?;
+    Ok(pod.filter(|p| {
+        p.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(ctx.args.node_name.as_str())
+    }))
+}
+
+pub async fn reconcile(pvr: Arc<PodVolumeRestore>, ctx: Arc<Context>) -> Result<Action, Error> {
+    use tracing::Instrument;
+    let span = tracing::debug_span!("pvr", namespace = %pvr.namespace().unwrap_or_default(), name = %pvr.name_any());
+    reconcile_inner(pvr, ctx).instrument(span).await
+}
+
+async fn reconcile_inner(pvr: Arc<PodVolumeRestore>, ctx: Arc<Context>) -> Result<Action, Error> {
+    if ctx.shutdown.is_cancelled() {
+        return Ok(Action::await_change());
+    }
+    let uid = pvr.uid().unwrap_or_default();
+    let phase = pvr.phase();
+    let ours_by_status =
+        pvr.status.as_ref().and_then(|s| s.node.as_deref()) == Some(ctx.args.node_name.as_str());
+    if phase.is_terminal() {
+        if ours_by_status && pvr.finalizers().iter().any(|f| f == crate::crd::FINALIZER) {
+            transfer::remove_finalizer(&mut writer(&ctx, &pvr)).await;
+        }
+        return Ok(Action::await_change());
+    }
+    if !ctx.registry.is_active(&uid) && !ours_by_status {
+        match target_pod(&ctx, &pvr).await? {
+            Some(_) => {}
+            None => return Ok(Action::await_change()),
+        }
+    }
+    if let Some(saved) = ctx.state.load(&uid) {
+        let mut w = writer(&ctx, &pvr);
+        return if finish(&ctx, &*pvr, &mut w, saved.status, &ctx.shutdown).await {
+            Ok(Action::await_change())
+        } else {
+            Ok(Action::requeue(Duration::from_secs(5)))
+        };
+    }
+    let cancel = pvr.cancel_requested();
+    let reason = if pvr.metadata.deletion_timestamp.is_some() {
+        CancelReason::Deleted
+    } else {
+        CancelReason::Requested
+    };
+    if ctx.registry.is_active(&uid) {
+        if cancel && ctx.registry.cancel(&uid, reason) == CancelResult::WasQueued {
+            cancel_now(&ctx, &pvr, reason).await;
+        }
+        return Ok(Action::await_change());
+    }
+    if cancel {
+        cancel_now(&ctx, &pvr, reason).await;
+        return Ok(Action::await_change());
+    }
+    let pvr = match phase {
+        Phase::New => match claim(&ctx, &pvr).await? {
+            Some(p) => p,
+            None => return Ok(Action::await_change()),
+        },
+        _ => (*pvr).clone(),
+    };
+    submit(&ctx, pvr);
+    Ok(Action::await_change())
+}
+
+async fn claim(ctx: &Context, pvr: &PodVolumeRestore) -> Result<Option<PodVolumeRestore>, Error> {
+    let mut w = writer(ctx, pvr);
+    if let Some(meta) = transfer::claim_metadata(pvr) {
+        match w.write(None, Some(meta)).await {
+            Ok(_) => {}
+            Err(WriteError::Gone) => return Ok(None),
+            Err(e) => return Err(Error::Write(e)),
+        }
+    }
+    let status = json!({
+        "phase": Phase::Accepted.as_str(),
+        "acceptedTimestamp": now_rfc3339(),
+        "node": ctx.args.node_name,
+        "message": "accepted by node agent, waiting for a slot",
+    });
+    match w.write(Some(status), None).await {
+        Ok(o) => {
+            event(
+                ctx,
+                &o,
+                false,
+                "Accepted",
+                format!("accepted by the node agent on {}", ctx.args.node_name),
+            )
+            .await;
+            Ok(Some(o))
+        }
+        Err(WriteError::Gone | WriteError::Terminal(_)) => Ok(None),
+        Err(e) => Err(Error::Write(e)),
+    }
+}
+
+async fn cancel_now(ctx: &Context, pvr: &PodVolumeRestore, reason: CancelReason) {
+    let mut w = writer(ctx, pvr);
+    let status = json!({
+        "phase": Phase::Canceled.as_str(),
+        "node": ctx.args.node_name,
+        "message": format!("{} before the restore started", transfer::reason_text(ctx, reason)),
+    });
+    if finish(ctx, pvr, &mut w, status, &ctx.shutdown).await {
+        ctx.metrics.finished("restore", "cancel", Duration::ZERO, 0);
+        event(
+            ctx,
+            pvr,
+            false,
+            "Canceled",
+            "canceled before the restore started".into(),
+        )
+        .await;
+    }
+}
+
+fn submit(ctx: &Arc<Context>, pvr: PodVolumeRestore) {
+    let uid = pvr.uid().unwrap_or_default();
+    let order = pvr
+        .status
+        .as_ref()
+        .and_then(|s| s.accepted_timestamp.as_ref())
+        .or(pvr.metadata.creation_timestamp.as_ref())
+        .map(|t| SystemTime::from(t.0))
+        .unwrap_or_else(SystemTime::now);
+    let ctx2 = Arc::clone(ctx);
+    let ns = pvr.namespace().unwrap_or_default();
+    let name = pvr.name_any();
+    ctx.registry.submit(
+        &uid,
+        OperationKind::Restore,
+        &ns,
+        &name,
+        order,
+        Box::new(move |token| Box::pin(async move { run(ctx2, pvr, token).await })),
+    );
+    ctx.metrics
+        .set_operations(ctx.registry.running(), ctx.registry.queued());
+}
+
+/// The owning Restore's UID names the done-file.
+fn restore_uid(pvr: &PodVolumeRestore) -> Option<String> {
+    pvr.owner_references()
+        .iter()
+        .find(|o| o.kind == "Restore")
+        .map(|o| o.uid.clone())
+        .or_else(|| pvr.labels().get(RESTORE_UID_LABEL).cloned())
+}
+
+async fn run(ctx: Arc<Context>, pvr: PodVolumeRestore, token: CancellationToken) {
+    use tracing::Instrument;
+    let uid = pvr.uid().unwrap_or_default();
+    let span = tracing::info_span!("restore", namespace = %pvr.namespace().unwrap_or_default(), name = %pvr.name_any(), uid = %uid, node = %ctx.args.node_name);
+    async {
+        let started = Instant::now();
+        let mut w = writer(&ctx, &pvr);
+        let pvr = match w.refresh().await {
+            Ok(p) if p.phase().is_terminal() => return,
+            Ok(p) => p,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot read the object before starting");
+                return;
+            }
+        };
+        if token.is_cancelled() || pvr.cancel_requested() {
+            let reason = ctx.registry.cancel_reason(&uid).unwrap_or(CancelReason::Requested);
+            if reason != CancelReason::Shutdown {
+                cancel_now(&ctx, &pvr, reason).await;
+            }
+            return;
+        }
+        let starts: u32 = pvr.annotations().get(ATTEMPTS_ANNOTATION).and_then(|v| v.parse().ok()).unwrap_or(0);
+        if starts >= ctx.args.max_attempts.max(1) {
+            let message = format!("the restore was started {starts} times and each run was interrupted by a node agent restart; giving up");
+            end(&ctx, &pvr, &mut w, failed(&ctx, message), "failure", started, 0).await;
+            return;
+        }
+        let (request, restore_uid) = match prepare(&ctx, &pvr).await {
+            Ok(p) => p,
+            Err(message) => {
+                end(&ctx, &pvr, &mut w, failed(&ctx, message), "failure", started, 0).await;
+                return;
+            }
+        };
+        let target = request.target.clone();
+        let meta = json!({ "annotations": { ATTEMPTS_ANNOTATION: (starts + 1).to_string() } });
+        if let Err(e) = w.write(None, Some(meta)).await {
+            tracing::warn!(error = %e, "cannot record the attempt");
+        }
+        let mut status = json!({
+            "phase": Phase::InProgress.as_str(),
+            "startTimestamp": now_rfc3339(),
+            "node": ctx.args.node_name,
+            "message": "starting",
+        });
+        if let Some(size) = pvr.spec.snapshot_size.filter(|s| *s > 0) {
+            status["progress"] = json!({ "totalBytes": size });
+        }
+        match w.write(Some(status), None).await {
+            Ok(_) => {}
+            Err(WriteError::Terminal(_) | WriteError::Gone) => return,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot mark the restore InProgress");
+                return;
+            }
+        }
+        ctx.registry.set_phase(&uid, Phase::InProgress.as_str());
+        event(&ctx, &pvr, false, "Started", format!("restoring snapshot {} into {}", pvr.spec.snapshot_id, target.display())).await;
+
+        let op = ctx.engine.restore(request);
+        ctx.registry.attach(&uid, op.clone());
+        let reason = monitor(&ctx, &pvr, &mut w, &uid, &op, &token).await;
+        let outcome = op.wait().await;
+        let progress = op.progress();
+        ctx.registry.set_final(&uid, progress.clone());
+        ctx.metrics.uploader_exit(outcome.kind.class());
+        if reason == Some(CancelReason::Shutdown) {
+            return;
+        }
+        let mut phase = terminal_phase(&outcome.kind, reason, false);
+        let mut message = match (phase, reason) {
+            (Phase::Canceled | Phase::Failed, Some(r)) if outcome.kind == OutcomeKind::Canceled => {
+                format!("{}; the uploader was stopped", transfer::reason_text(&ctx, r))
+            }
+            _ => outcome.message.clone(),
+        };
+        if phase == Phase::Completed {
+            // The handshake: without this file the restored pod's init container never finishes.
+            match &restore_uid {
+                Some(ruid) => {
+                    if let Err(e) = volume::write_done_file(&target, ruid) {
+                        phase = Phase::Failed;
+                        message = format!("data restored, but the completion marker could not be written: {e}");
+                    }
+                }
+                None => tracing::warn!("no owning Restore: no done-file written"),
+            }
+        }
+        let mut status = transfer::progress_status(&progress);
+        status["phase"] = Value::String(phase.as_str().to_string());
+        status["message"] = Value::String(message);
+        status["node"] = Value::String(ctx.args.node_name.clone());
+        let result = match phase {
+            Phase::Completed => "success",
+            Phase::Canceled => "cancel",
+            _ => "failure",
+        };
+        end(&ctx, &pvr, &mut w, status, result, started, progress.n_completed).await;
+    }
+    .instrument(span)
+    .await
+}
+
+fn failed(ctx: &Context, message: String) -> Value {
+    json!({ "phase": Phase::Failed.as_str(), "message": message, "node": ctx.args.node_name })
+}
+
+async fn end(
+    ctx: &Context,
+    pvr: &PodVolumeRestore,
+    w: &mut ObjectWriter<PodVolumeRestore>,
+    status: Value,
+    result: &str,
+    started: Instant,
+    bytes: u64,
+) {
+    let phase = status["phase"].as_str().unwrap_or("").to_string();
+    let message = status["message"].as_str().unwrap_or("").to_string();
+    ctx.registry
+        .set_phase(&pvr.uid().unwrap_or_default(), &phase);
+    if finish(ctx, pvr, w, status, &ctx.shutdown).await {
+        ctx.metrics
+            .finished("restore", result, started.elapsed(), bytes);
+        event(ctx, pvr, result == "failure", &phase, message).await;
+    }
+}
+
+async fn prepare(
+    ctx: &Context,
+    pvr: &PodVolumeRestore,
+) -> Result<(RestoreRequest, Option<String>), String> {
+    let ns = pvr.spec.pod.namespace.clone().unwrap_or_default();
+    let name = pvr.spec.pod.name.clone().unwrap_or_default();
+    let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &ns);
+    let pod = match pods.get_opt(&name).await {
+        Ok(Some(p)) => p,
+        Ok(None) => return Err(format!("target pod {ns}/{name} not found")),
+        Err(e) => return Err(format!("cannot read target pod {ns}/{name}: {e}")),
+    };
+    let target = volume::resolve(&ctx.client, &ctx.args.host_pods_dir, &pod, &pvr.spec.volume)
+        .await
+        .map_err(|e| format!("cannot locate volume {}: {e}", pvr.spec.volume))?;
+    let uploader = super::uploader_of(ctx, pvr.spec.uploader_type);
+    let access = super::repository_access(ctx, &pvr.spec.repo_identifier, uploader).await?;
+    Ok((
+        RestoreRequest {
+            uploader,
+            access,
+            snapshot_id: pvr.spec.snapshot_id.clone(),
+            target,
+            limit_download_kib: None,
+        },
+        restore_uid(pvr),
+    ))
+}

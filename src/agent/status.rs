@@ -1,0 +1,227 @@
+//! Writing status to PodVolumeBackups/PodVolumeRestores.
+//!
+//! Every write is a JSON merge patch carrying the `metadata.resourceVersion` we last saw, so the API
+//! server refuses it (409) when someone changed the object meanwhile. On a conflict the object is
+//! read again: if it reached a terminal phase, nothing is written (never overwrite a result); if
+//! not, the write is retried on the fresh version. Only `status` and our own metadata (finalizers,
+//! annotations) are ever patched, so a concurrent `spec.cancel: true` always survives.
+//!
+//! Velero's CRDs have no status subresource: status is patched on the main object. Our CRDs have
+//! it: status goes to `/status`, metadata to the main object. Which one applies is found by API
+//! discovery at start.
+
+use std::fmt::Debug;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kube::api::{Patch, PatchParams};
+use kube::{Api, Resource};
+use serde::de::DeserializeOwned;
+use serde_json::{Value, json};
+
+use super::metrics::Metrics;
+use crate::crd::{FINALIZER, Phase, PodVolumeBackup, PodVolumeRestore};
+
+/// What the agent needs to know of either kind.
+pub trait VolumeObject:
+    Resource<DynamicType = ()> + Clone + Debug + DeserializeOwned + Send + Sync + 'static
+{
+    const KIND: &'static str;
+    fn phase(&self) -> Phase;
+    fn cancel_requested(&self) -> bool;
+}
+
+impl VolumeObject for PodVolumeBackup {
+    const KIND: &'static str = "PodVolumeBackup";
+    fn phase(&self) -> Phase {
+        self.status
+            .as_ref()
+            .and_then(|s| s.phase)
+            .unwrap_or(Phase::New)
+    }
+    fn cancel_requested(&self) -> bool {
+        self.spec.cancel == Some(true) || self.metadata.deletion_timestamp.is_some()
+    }
+}
+
+impl VolumeObject for PodVolumeRestore {
+    const KIND: &'static str = "PodVolumeRestore";
+    fn phase(&self) -> Phase {
+        self.status
+            .as_ref()
+            .and_then(|s| s.phase)
+            .unwrap_or(Phase::New)
+    }
+    fn cancel_requested(&self) -> bool {
+        self.spec.cancel == Some(true) || self.metadata.deletion_timestamp.is_some()
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum WriteError {
+    #[error("the object no longer exists")]
+    Gone,
+    #[error("the object is already {0:?}; its result is not overwritten")]
+    Terminal(Phase),
+    #[error("{0}")]
+    Api(#[source] kube::Error),
+}
+
+impl WriteError {
+    /// Worth retrying later (the API server is down or busy), as opposed to final.
+    pub fn is_transient(&self) -> bool {
+        matches!(self, WriteError::Api(_))
+    }
+}
+
+fn is_status(e: &kube::Error, code: u16) -> bool {
+    matches!(e, kube::Error::Api(s) if s.code == code)
+}
+
+/// Writes one object's status, tracking its resourceVersion across writes.
+pub struct ObjectWriter<K: VolumeObject> {
+    api: Api<K>,
+    name: String,
+    subresource: bool,
+    resource_version: Option<String>,
+    metrics: Arc<Metrics>,
+}
+
+const CONFLICT_RETRIES: u32 = 8;
+
+impl<K: VolumeObject> ObjectWriter<K> {
+    pub fn new(api: Api<K>, obj: &K, subresource: bool, metrics: Arc<Metrics>) -> Self {
+        Self {
+            api,
+            name: obj.meta().name.clone().unwrap_or_default(),
+            subresource,
+            resource_version: obj.meta().resource_version.clone(),
+            metrics,
+        }
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Reads the object again (after a conflict, or to check on it).
+    pub async fn refresh(&mut self) -> Result<K, WriteError> {
+        match self.api.get(&self.name).await {
+            Ok(o) => {
+                self.resource_version = o.meta().resource_version.clone();
+                Ok(o)
+            }
+            Err(e) if is_status(&e, 404) => Err(WriteError::Gone),
+            Err(e) => Err(WriteError::Api(e)),
+        }
+    }
+
+    /// Patches `status` (merge) and, when given, `metadata` fields. `allow_terminal`: the write
+    /// may go over a terminal phase (only to remove our finalizer afterwards).
+    pub async fn write(
+        &mut self,
+        status: Option<Value>,
+        metadata: Option<Value>,
+    ) -> Result<K, WriteError> {
+        let mut attempt = 0;
+        loop {
+            match self.try_write(status.as_ref(), metadata.as_ref()).await {
+                Ok(o) => return Ok(o),
+                Err(e) if is_status(&e, 409) && attempt < CONFLICT_RETRIES => {
+                    attempt += 1;
+                    let fresh = self.refresh().await?;
+                    if status.is_some() && fresh.phase().is_terminal() {
+                        return Err(WriteError::Terminal(fresh.phase()));
+                    }
+                    tokio::time::sleep(Duration::from_millis(50 * u64::from(attempt))).await;
+                }
+                Err(e) if is_status(&e, 404) => return Err(WriteError::Gone),
+                Err(e) => return Err(WriteError::Api(e)),
+            }
+        }
+    }
+
+    async fn try_write(
+        &mut self,
+        status: Option<&Value>,
+        metadata: Option<&Value>,
+    ) -> Result<K, kube::Error> {
+        let pp = PatchParams::default();
+        let mut last = None;
+        let mut meta = json!({ "resourceVersion": self.resource_version });
+        if let (Some(Value::Object(extra)), Value::Object(m)) = (metadata, &mut meta) {
+            m.extend(extra.clone());
+        }
+        if self.subresource {
+            if metadata.is_some() {
+                let o = self
+                    .timed(self.api.patch(
+                        &self.name,
+                        &pp,
+                        &Patch::Merge(json!({ "metadata": meta })),
+                    ))
+                    .await?;
+                self.resource_version = o.meta().resource_version.clone();
+                last = Some(o);
+            }
+            if let Some(status) = status {
+                let body = json!({ "metadata": { "resourceVersion": self.resource_version }, "status": status });
+                let o = self
+                    .timed(self.api.patch_status(&self.name, &pp, &Patch::Merge(body)))
+                    .await?;
+                self.resource_version = o.meta().resource_version.clone();
+                last = Some(o);
+            }
+        } else {
+            let mut body = json!({ "metadata": meta });
+            if let Some(status) = status {
+                body["status"] = status.clone();
+            }
+            let o = self
+                .timed(self.api.patch(&self.name, &pp, &Patch::Merge(body)))
+                .await?;
+            self.resource_version = o.meta().resource_version.clone();
+            last = Some(o);
+        }
+        match last {
+            Some(o) => Ok(o),
+            None => self.api.get(&self.name).await,
+        }
+    }
+
+    async fn timed(
+        &self,
+        fut: impl Future<Output = Result<K, kube::Error>>,
+    ) -> Result<K, kube::Error> {
+        let start = Instant::now();
+        let r = fut.await;
+        let result = match &r {
+            Ok(_) => "ok",
+            Err(e) if is_status(e, 409) => "conflict",
+            Err(e) if is_status(e, 404) => "not_found",
+            Err(_) => "error",
+        };
+        self.metrics.status_write(result, start.elapsed());
+        r
+    }
+}
+
+/// `metadata.finalizers` with ours added or removed, or `None` when nothing changes.
+pub fn finalizers_with(obj: &impl Resource, present: bool) -> Option<Value> {
+    let current = obj.meta().finalizers.clone().unwrap_or_default();
+    let has = current.iter().any(|f| f == FINALIZER);
+    if has == present {
+        return None;
+    }
+    let next: Vec<String> = if present {
+        current.into_iter().chain([FINALIZER.to_string()]).collect()
+    } else {
+        current.into_iter().filter(|f| f != FINALIZER).collect()
+    };
+    Some(json!({ "finalizers": next }))
+}
+
+/// RFC 3339 "now" as Kubernetes writes timestamps (seconds, UTC).
+pub fn now_rfc3339() -> String {
+    humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string()
+}

@@ -1,0 +1,297 @@
+//! What backups and restores share once they run: the monitor loop that publishes progress at
+//! `--update-interval`, handles cancel, timeout and stalls; and the terminal write.
+
+use std::time::{Duration, Instant};
+
+use kube::runtime::events::{Event, EventType};
+use kube::{Resource, ResourceExt};
+use serde_json::{Value, json};
+use tokio_util::sync::CancellationToken;
+
+use super::Context;
+use super::registry::CancelReason;
+use super::state::StoredResult;
+use super::status::{ObjectWriter, VolumeObject, WriteError, finalizers_with, now_rfc3339};
+use crate::crd::Phase;
+use crate::operation::Operation;
+use crate::progress::OperationProgress;
+
+/// Publishes an Event on the object; failures are logged, never fatal.
+pub async fn event<K: VolumeObject>(
+    ctx: &Context,
+    obj: &K,
+    warning: bool,
+    reason: &str,
+    note: String,
+) {
+    let ev = Event {
+        type_: if warning {
+            EventType::Warning
+        } else {
+            EventType::Normal
+        },
+        reason: reason.to_string(),
+        note: Some(crate::text::truncate(&note, 1000)),
+        action: reason.to_string(),
+        secondary: None,
+    };
+    if let Err(e) = ctx.recorder.publish(&ev, &obj.object_ref(&())).await {
+        tracing::debug!(error = %e, reason, "could not publish an event");
+    }
+}
+
+/// The progress part of a status patch.
+pub fn progress_status(p: &OperationProgress) -> Value {
+    json!({
+        "progress": {
+            "totalBytes": i64::try_from(p.n_total).unwrap_or(i64::MAX),
+            "bytesDone": i64::try_from(p.n_completed).unwrap_or(i64::MAX),
+        },
+    })
+}
+
+/// What the published progress must differ in to be worth a write: bytes, total, or stage. A
+/// rate or ETA that drifts while bytes stand still is not news, so a stalled transfer costs no
+/// writes.
+fn write_key(p: &OperationProgress) -> (u64, u64, String) {
+    let stage = p
+        .description
+        .split(':')
+        .next()
+        .unwrap_or_default()
+        .to_string();
+    (p.n_completed, p.n_total, stage)
+}
+
+/// Runs until the operation ends. Returns why it was stopped, if it was.
+pub async fn monitor<K: VolumeObject>(
+    ctx: &Context,
+    obj: &K,
+    writer: &mut ObjectWriter<K>,
+    uid: &str,
+    op: &Operation,
+    token: &CancellationToken,
+) -> Option<CancelReason> {
+    let args = &ctx.args;
+    let mut tick = tokio::time::interval(args.update_interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let timeout_at = args
+        .operation_timeout
+        .0
+        .map(|d| tokio::time::Instant::now() + d);
+    let far = tokio::time::Instant::now() + Duration::from_secs(100 * 365 * 86_400);
+    let mut last_written: Option<(u64, u64, String)> = None;
+    let mut last_bytes = 0u64;
+    let mut last_change = Instant::now();
+    let mut stall_reported = false;
+    let mut canceling = false;
+    let direction = if K::KIND == "PodVolumeBackup" {
+        "upload"
+    } else {
+        "download"
+    };
+    loop {
+        tokio::select! {
+            _ = op.wait() => break,
+            _ = token.cancelled(), if !canceling => {
+                canceling = true;
+                let reason = ctx.registry.cancel_reason(uid).unwrap_or(CancelReason::Requested);
+                tracing::info!(?reason, "stopping the transfer");
+                op.request_cancel();
+                if reason != CancelReason::Shutdown {
+                    let message = format!("canceling: {}", reason_text(ctx, reason));
+                    let patch = json!({ "phase": Phase::Canceling.as_str(), "message": message });
+                    match writer.write(Some(patch), None).await {
+                        Ok(_) => ctx.registry.set_phase(uid, Phase::Canceling.as_str()),
+                        Err(e) => tracing::warn!(error = %e, "could not write Canceling"),
+                    }
+                }
+            }
+            _ = tokio::time::sleep_until(timeout_at.unwrap_or(far)), if timeout_at.is_some() && !canceling => {
+                ctx.registry.cancel(uid, CancelReason::Timeout);
+            }
+            _ = tick.tick() => {
+                let p = op.progress();
+                if p.n_completed != last_bytes {
+                    last_bytes = p.n_completed;
+                    last_change = Instant::now();
+                    stall_reported = false;
+                } else if let Some(limit) = args.stall_timeout.0
+                    && !stall_reported && !canceling && last_change.elapsed() >= limit
+                {
+                    {
+                        stall_reported = true;
+                        ctx.metrics.stalled();
+                        let note = format!("no byte progress for {} (at {} of {} bytes)", humantime::format_duration(limit), p.n_completed, p.n_total);
+                        tracing::warn!("{note}");
+                        event(ctx, obj, true, "Stalled", note).await;
+                        if args.fail_on_stall {
+                            ctx.registry.cancel(uid, CancelReason::Stalled);
+                        }
+                    }
+                }
+                ctx.metrics.set_throughput(direction, rate_of(&p, op));
+                let key = write_key(&p);
+                if canceling || last_written.as_ref() == Some(&key) {
+                    continue;
+                }
+                let mut patch = progress_status(&p);
+                patch["message"] = Value::String(p.description.clone());
+                match writer.write(Some(patch), None).await {
+                    Ok(_) => last_written = Some(key),
+                    Err(WriteError::Terminal(phase)) => {
+                        tracing::warn!(?phase, "someone else finished the object; stopping the transfer");
+                        ctx.registry.cancel(uid, CancelReason::Requested);
+                    }
+                    Err(WriteError::Gone) => {
+                        tracing::warn!("the object was deleted; stopping the transfer");
+                        ctx.registry.cancel(uid, CancelReason::Deleted);
+                    }
+                    // Kept for the next tick, which writes the newest value.
+                    Err(e) => tracing::warn!(error = %e, "progress write failed"),
+                }
+            }
+        }
+    }
+    ctx.metrics.set_throughput(direction, 0.0);
+    ctx.registry.cancel_reason(uid)
+}
+
+fn rate_of(p: &OperationProgress, _op: &Operation) -> f64 {
+    // The description carries the rate for people; the metric uses bytes/elapsed since start as
+    // a stable figure while the operation runs.
+    let secs = p
+        .updated
+        .duration_since(p.started)
+        .map(|d| d.as_secs_f64())
+        .unwrap_or(0.0);
+    if secs > 0.0 {
+        p.n_completed as f64 / secs
+    } else {
+        0.0
+    }
+}
+
+pub fn reason_text(ctx: &Context, reason: CancelReason) -> String {
+    match reason {
+        CancelReason::Requested => "canceled on request".to_string(),
+        CancelReason::Deleted => "the object is being deleted".to_string(),
+        CancelReason::Timeout => format!(
+            "operation timed out after {}",
+            ctx.args
+                .operation_timeout
+                .0
+                .map(|d| humantime::format_duration(d).to_string())
+                .unwrap_or_default()
+        ),
+        CancelReason::Stalled => format!(
+            "no byte progress for {}",
+            ctx.args
+                .stall_timeout
+                .0
+                .map(|d| humantime::format_duration(d).to_string())
+                .unwrap_or_default()
+        ),
+        CancelReason::Shutdown => "the agent is shutting down".to_string(),
+    }
+}
+
+/// Writes the terminal status (one write with every result), durably: it is saved in the state
+/// dir first and retried with backoff while the API server is unreachable; then our finalizer is
+/// removed. Returns whether the result reached the server.
+pub async fn finish<K: VolumeObject>(
+    ctx: &Context,
+    obj: &K,
+    writer: &mut ObjectWriter<K>,
+    mut status: Value,
+    shutdown: &CancellationToken,
+) -> bool {
+    let uid = obj.uid().unwrap_or_default();
+    if status.get("completionTimestamp").is_none() {
+        status["completionTimestamp"] = Value::String(now_rfc3339());
+    }
+    let stored = StoredResult {
+        kind: K::KIND.to_string(),
+        namespace: obj.namespace().unwrap_or_default(),
+        name: obj.name_any(),
+        uid: uid.clone(),
+        status: status.clone(),
+    };
+    if let Err(e) = ctx.state.save(&stored) {
+        tracing::warn!(error = %e, "could not save the result in the state dir");
+    }
+    let mut backoff = Duration::from_millis(500);
+    let written = loop {
+        match writer.write(Some(status.clone()), None).await {
+            Ok(_) => break true,
+            Err(WriteError::Terminal(phase)) => {
+                tracing::warn!(
+                    ?phase,
+                    "the object already has a result; ours is not written over it"
+                );
+                break true;
+            }
+            Err(WriteError::Gone) => break true,
+            Err(e) => {
+                tracing::warn!(error = %e, retry_in = ?backoff, "terminal status write failed; retrying");
+                tokio::select! {
+                    _ = tokio::time::sleep(backoff) => {}
+                    _ = shutdown.cancelled() => break false,
+                }
+                backoff = (backoff * 2).min(Duration::from_secs(30));
+            }
+        }
+    };
+    if written {
+        ctx.state.remove(&uid);
+        remove_finalizer(writer).await;
+    }
+    written
+}
+
+/// Removes our finalizer, re-reading the object so other finalizers are kept.
+pub async fn remove_finalizer<K: VolumeObject>(writer: &mut ObjectWriter<K>) {
+    for _ in 0..5 {
+        let fresh = match writer.refresh().await {
+            Ok(o) => o,
+            Err(_) => return,
+        };
+        let Some(meta) = finalizers_with(&fresh, false) else {
+            return;
+        };
+        match writer.write(None, Some(meta)).await {
+            Ok(_) | Err(WriteError::Gone) => return,
+            Err(e) => {
+                tracing::warn!(error = %e, "could not remove the finalizer; retrying");
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+        }
+    }
+}
+
+/// The phase an outcome gives the object.
+pub fn terminal_phase(
+    kind: &crate::uploader::OutcomeKind,
+    reason: Option<CancelReason>,
+    partial_as_completed: bool,
+) -> Phase {
+    use crate::uploader::OutcomeKind as O;
+    match (kind, reason) {
+        (O::Success, _) => Phase::Completed,
+        (O::Partial, _) if partial_as_completed => Phase::Completed,
+        (_, Some(CancelReason::Timeout | CancelReason::Stalled)) => Phase::Failed,
+        (O::Canceled, _) => Phase::Canceled,
+        (_, Some(CancelReason::Requested | CancelReason::Deleted)) => Phase::Canceled,
+        _ => Phase::Failed,
+    }
+}
+
+/// `started` for the latency metric.
+pub fn since(start: Instant) -> Duration {
+    start.elapsed()
+}
+
+/// The object's metadata after a claim: our finalizer present.
+pub fn claim_metadata(obj: &impl Resource) -> Option<Value> {
+    finalizers_with(obj, true)
+}

@@ -1,0 +1,652 @@
+//! End-to-end harness: the real agent binary, talking HTTP to an API server (the stand-in, or a
+//! real cluster given by `PODVOLUME_E2E_KUBECONFIG`), with real restic on real files laid out
+//! like the kubelet's pods directory.
+#![allow(dead_code)]
+
+use std::collections::BTreeMap;
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::{Namespace, Pod};
+use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
+use kube::runtime::watcher;
+use kube::{Api, Client, Resource, ResourceExt};
+use podvolume_agent::crd::{Phase, PodVolumeBackup, PodVolumeRestore};
+use podvolume_testbed::TestApiServer;
+use serde_json::json;
+
+pub const NODE: &str = "e2e-node-a";
+pub const OTHER_NODE: &str = "e2e-node-b";
+
+/// Which CRDs the API server serves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Flavour {
+    /// Velero's own: no status subresource.
+    Velero,
+    /// The project's: status subresource, printer columns.
+    Ours,
+}
+
+pub enum Backend {
+    StandIn(TestApiServer),
+    Real(PathBuf),
+}
+
+pub struct Env {
+    pub backend: Backend,
+    pub client: Client,
+    pub kubeconfig: PathBuf,
+    /// Velero's namespace: where the PodVolumeBackups/Restores live.
+    pub ns: String,
+    /// The application pods' namespace.
+    pub app_ns: String,
+    pub tmp: tempfile::TempDir,
+    pub pods_dir: PathBuf,
+    pub repo: PathBuf,
+    pub password_file: PathBuf,
+}
+
+fn unique(prefix: &str) -> String {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static N: AtomicU32 = AtomicU32::new(0);
+    format!(
+        "{prefix}-{}-{}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::SeqCst)
+    )
+}
+
+impl Env {
+    pub async fn new(flavour: Flavour) -> Env {
+        let tmp = tempfile::Builder::new()
+            .prefix("pva-e2e-")
+            .tempdir()
+            .unwrap();
+        let (backend, kubeconfig) = match std::env::var_os("PODVOLUME_E2E_KUBECONFIG") {
+            Some(k) => (Backend::Real(PathBuf::from(&k)), PathBuf::from(k)),
+            None => {
+                let server = TestApiServer::start().await.unwrap();
+                let kc = server.kubeconfig_path().to_path_buf();
+                (Backend::StandIn(server), kc)
+            }
+        };
+        let client = {
+            let kc = kube::config::Kubeconfig::read_from(&kubeconfig).unwrap();
+            let cfg = kube::Config::from_custom_kubeconfig(kc, &Default::default())
+                .await
+                .unwrap();
+            Client::try_from(cfg).unwrap()
+        };
+        match (&backend, flavour) {
+            (Backend::StandIn(s), Flavour::Velero) => s.install_velero_crds().unwrap(),
+            (Backend::StandIn(s), Flavour::Ours) => {
+                s.apply_crd_yaml(&podvolume_agent::crd::crds_yaml())
+                    .unwrap();
+            }
+            // A real cluster keeps whatever CRDs it has (Velero's or ours); install ours when
+            // neither is there.
+            (Backend::Real(_), _) => ensure_crds(&client).await,
+        }
+        let ns = unique("pva-velero");
+        let app_ns = unique("pva-app");
+        let namespaces: Api<Namespace> = Api::all(client.clone());
+        for n in [&ns, &app_ns] {
+            let obj: Namespace = serde_json::from_value(json!({"metadata": {"name": n}})).unwrap();
+            let _ = namespaces.create(&PostParams::default(), &obj).await;
+        }
+        let pods_dir = tmp.path().join("pods");
+        std::fs::create_dir_all(&pods_dir).unwrap();
+        let password_file = tmp.path().join("repo-password");
+        std::fs::write(&password_file, "e2e password").unwrap();
+        Env {
+            repo: tmp.path().join("repo"),
+            backend,
+            client,
+            kubeconfig,
+            ns,
+            app_ns,
+            pods_dir,
+            password_file,
+            tmp,
+        }
+    }
+
+    pub fn standin(&self) -> Option<&TestApiServer> {
+        match &self.backend {
+            Backend::StandIn(s) => Some(s),
+            Backend::Real(_) => None,
+        }
+    }
+
+    pub fn pvbs(&self) -> Api<PodVolumeBackup> {
+        Api::namespaced(self.client.clone(), &self.ns)
+    }
+
+    pub fn pvrs(&self) -> Api<PodVolumeRestore> {
+        Api::namespaced(self.client.clone(), &self.ns)
+    }
+
+    /// A Pod object scheduled on `node` with emptyDir volumes, and its kubelet-like directories.
+    /// Returns the pod and each volume's directory.
+    pub async fn create_pod(
+        &self,
+        name: &str,
+        node: &str,
+        volumes: &[&str],
+    ) -> (Pod, BTreeMap<String, PathBuf>) {
+        let vols: Vec<_> = volumes
+            .iter()
+            .map(|v| json!({"name": v, "emptyDir": {}}))
+            .collect();
+        let pod: Pod = serde_json::from_value(json!({
+            "metadata": {"name": name, "namespace": self.app_ns},
+            "spec": {
+                "nodeName": node,
+                "containers": [{"name": "app", "image": "busybox"}],
+                "volumes": vols,
+            },
+        }))
+        .unwrap();
+        let pods: Api<Pod> = Api::namespaced(self.client.clone(), &self.app_ns);
+        let pod = pods.create(&PostParams::default(), &pod).await.unwrap();
+        let uid = pod.uid().unwrap();
+        let mut dirs = BTreeMap::new();
+        for v in volumes {
+            let d = self
+                .pods_dir
+                .join(&uid)
+                .join("volumes/kubernetes.io~empty-dir")
+                .join(v);
+            std::fs::create_dir_all(&d).unwrap();
+            dirs.insert(v.to_string(), d);
+        }
+        (pod, dirs)
+    }
+
+    pub async fn create_pvb(
+        &self,
+        name: &str,
+        pod: &Pod,
+        volume: &str,
+        node: &str,
+    ) -> PodVolumeBackup {
+        self.create_pvb_with(name, pod, volume, node, json!({}), json!({}))
+            .await
+    }
+
+    /// A PodVolumeBackup as Velero's server creates it; `labels` and `spec_extra` are merged in.
+    pub async fn create_pvb_with(
+        &self,
+        name: &str,
+        pod: &Pod,
+        volume: &str,
+        node: &str,
+        labels: serde_json::Value,
+        spec_extra: serde_json::Value,
+    ) -> PodVolumeBackup {
+        let mut spec = json!({
+            "node": node,
+            "pod": {"kind": "Pod", "namespace": pod.namespace(), "name": pod.name_any(), "uid": pod.uid()},
+            "volume": volume,
+            "backupStorageLocation": "default",
+            "repoIdentifier": self.repo.display().to_string(),
+            "uploaderType": "restic",
+            "tags": {"backup": "b1", "volume": volume, "pod": pod.name_any()},
+        });
+        merge(&mut spec, spec_extra);
+        let mut meta =
+            json!({"name": name, "namespace": self.ns, "labels": {"velero.io/backup-name": "b1"}});
+        merge(&mut meta["labels"], labels);
+        let obj: PodVolumeBackup = serde_json::from_value(json!({
+            "apiVersion": "velero.io/v1", "kind": "PodVolumeBackup", "metadata": meta, "spec": spec,
+        }))
+        .unwrap();
+        self.pvbs()
+            .create(&PostParams::default(), &obj)
+            .await
+            .unwrap()
+    }
+
+    pub async fn create_pvr(
+        &self,
+        name: &str,
+        pod: &Pod,
+        volume: &str,
+        snapshot: &str,
+        restore_uid: &str,
+    ) -> PodVolumeRestore {
+        let obj: PodVolumeRestore = serde_json::from_value(json!({
+            "apiVersion": "velero.io/v1", "kind": "PodVolumeRestore",
+            "metadata": {
+                "name": name, "namespace": self.ns,
+                "labels": {"velero.io/restore-name": "r1", "velero.io/restore-uid": restore_uid, "velero.io/pod-uid": pod.uid()},
+                "ownerReferences": [{"apiVersion": "velero.io/v1", "kind": "Restore", "name": "r1", "uid": restore_uid}],
+            },
+            "spec": {
+                "pod": {"kind": "Pod", "namespace": pod.namespace(), "name": pod.name_any(), "uid": pod.uid()},
+                "volume": volume,
+                "backupStorageLocation": "default",
+                "repoIdentifier": self.repo.display().to_string(),
+                "snapshotID": snapshot,
+                "sourceNamespace": self.app_ns,
+                "uploaderType": "restic",
+            },
+        }))
+        .unwrap();
+        self.pvrs()
+            .create(&PostParams::default(), &obj)
+            .await
+            .unwrap()
+    }
+
+    /// Sets `spec.cancel: true` as a user (or Velero) would.
+    pub async fn cancel_pvb(&self, name: &str) {
+        self.pvbs()
+            .patch(
+                name,
+                &PatchParams::default(),
+                &Patch::Merge(json!({"spec": {"cancel": true}})),
+            )
+            .await
+            .unwrap();
+    }
+
+    pub async fn delete_pvb(&self, name: &str) {
+        self.pvbs()
+            .delete(name, &DeleteParams::default())
+            .await
+            .unwrap();
+    }
+
+    /// Starts the agent binary for `node` with the test's directories; `extra` flags override.
+    pub fn start_agent(&self, node: &str, extra: &[&str]) -> Agent {
+        let port = TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let log = self.tmp.path().join(format!("agent-{node}-{port}.log"));
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_podvolume-agent"));
+        cmd.arg("run")
+            .arg(format!("--kubeconfig={}", self.kubeconfig.display()))
+            .arg(format!("--node-name={node}"))
+            .arg(format!("--namespace={}", self.ns))
+            .arg(format!("--host-pods-dir={}", self.pods_dir.display()))
+            .arg(format!(
+                "--scratch-dir={}",
+                self.tmp.path().join(format!("scratch-{node}")).display()
+            ))
+            .arg(format!(
+                "--state-dir={}",
+                self.tmp.path().join(format!("state-{node}")).display()
+            ))
+            .arg(format!(
+                "--repo-password-file={}",
+                self.password_file.display()
+            ))
+            .arg(format!("--listen-address=127.0.0.1:{port}"))
+            .arg("--update-interval=200ms")
+            .arg("--cancel-grace=3s")
+            .arg("--log-format=plain")
+            .args(extra)
+            .env("RUST_LOG", "info,kube=warn,tower=warn,hyper=warn")
+            .stdin(Stdio::null())
+            .stdout(std::fs::File::create(&log).unwrap())
+            .stderr(std::fs::File::create(log.with_extension("err")).unwrap());
+        let child = cmd.spawn().unwrap();
+        Agent {
+            child: Some(child),
+            port,
+            log,
+        }
+    }
+
+    /// Waits until the object reaches one of `phases`.
+    pub async fn wait_pvb(
+        &self,
+        name: &str,
+        phases: &[Phase],
+        timeout: Duration,
+    ) -> PodVolumeBackup {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Ok(o) = self.pvbs().get(name).await {
+                let p = o
+                    .status
+                    .as_ref()
+                    .and_then(|s| s.phase)
+                    .unwrap_or(Phase::New);
+                if phases.contains(&p) {
+                    return o;
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "{name} stuck in {p:?}: {:?}",
+                    o.status
+                );
+            }
+            assert!(Instant::now() < deadline, "{name} not found in time");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    pub async fn wait_pvr(
+        &self,
+        name: &str,
+        phases: &[Phase],
+        timeout: Duration,
+    ) -> PodVolumeRestore {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Ok(o) = self.pvrs().get(name).await {
+                let p = o
+                    .status
+                    .as_ref()
+                    .and_then(|s| s.phase)
+                    .unwrap_or(Phase::New);
+                if phases.contains(&p) {
+                    return o;
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "{name} stuck in {p:?}: {:?}",
+                    o.status
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// Records every version of one object as the API server serves it (a watch).
+    pub fn record<K>(&self, api: Api<K>, name: &str) -> Recorder<K>
+    where
+        K: Resource + Clone + std::fmt::Debug + serde::de::DeserializeOwned + Send + Sync + 'static,
+    {
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let cfg = watcher::Config::default().fields(&format!("metadata.name={name}"));
+        let s = seen.clone();
+        let task = tokio::spawn(async move {
+            let mut stream = watcher::watcher(api, cfg).boxed();
+            while let Some(ev) = stream.next().await {
+                if let Ok(watcher::Event::Apply(o) | watcher::Event::InitApply(o)) = ev {
+                    s.lock().unwrap().push(o);
+                }
+            }
+        });
+        Recorder { seen, task }
+    }
+
+    /// Files under a volume, as a test fixture.
+    pub fn fill(dir: &Path, files: &[(&str, usize)]) -> u64 {
+        let mut total = 0;
+        for (i, (name, size)) in files.iter().enumerate() {
+            let p = dir.join(name);
+            std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+            std::fs::write(&p, pseudo_random(*size, i as u64 + 1)).unwrap();
+            total += *size as u64;
+        }
+        total
+    }
+
+    /// restic's own view of the repository (snapshot IDs).
+    pub fn restic_snapshots(&self) -> Vec<serde_json::Value> {
+        let out = Command::new("restic")
+            .args(["snapshots", "--json", "--no-lock"])
+            .env("RESTIC_REPOSITORY", &self.repo)
+            .env("RESTIC_PASSWORD_FILE", &self.password_file)
+            .env("RESTIC_CACHE_DIR", self.tmp.path().join("restic-cache"))
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        serde_json::from_slice(&out.stdout).unwrap_or_default()
+    }
+
+    pub fn restic_locks(&self) -> Vec<String> {
+        let out = Command::new("restic")
+            .args(["list", "locks", "--no-lock"])
+            .env("RESTIC_REPOSITORY", &self.repo)
+            .env("RESTIC_PASSWORD_FILE", &self.password_file)
+            .env("RESTIC_CACHE_DIR", self.tmp.path().join("restic-cache"))
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter(|l| !l.is_empty())
+            .map(String::from)
+            .collect()
+    }
+
+    /// Uploader processes still running for this test (their argv names its directory).
+    pub fn uploader_processes(&self) -> Vec<String> {
+        let needle = self.tmp.path().display().to_string();
+        let mut found = Vec::new();
+        for e in std::fs::read_dir("/proc").unwrap().flatten() {
+            let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
+                continue;
+            };
+            let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+                continue;
+            };
+            if stat
+                .rsplit(')')
+                .next()
+                .is_some_and(|r| r.trim_start().starts_with('Z'))
+            {
+                continue;
+            }
+            let Ok(cmd) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
+                continue;
+            };
+            let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
+            if cmd.starts_with("restic") || cmd.contains("/restic ") {
+                if cmd.contains(&needle) {
+                    found.push(format!("{pid}: {cmd}"));
+                }
+            }
+        }
+        found
+    }
+
+    /// Cleans up a real cluster's namespaces (the stand-in just goes away).
+    pub async fn cleanup(&self) {
+        if let Backend::Real(_) = self.backend {
+            for name in self
+                .pvbs()
+                .list(&Default::default())
+                .await
+                .map(|l| l.items)
+                .unwrap_or_default()
+            {
+                let _ = self
+                    .pvbs()
+                    .patch(
+                        &name.name_any(),
+                        &PatchParams::default(),
+                        &Patch::Merge(json!({"metadata": {"finalizers": null}})),
+                    )
+                    .await;
+            }
+            for name in self
+                .pvrs()
+                .list(&Default::default())
+                .await
+                .map(|l| l.items)
+                .unwrap_or_default()
+            {
+                let _ = self
+                    .pvrs()
+                    .patch(
+                        &name.name_any(),
+                        &PatchParams::default(),
+                        &Patch::Merge(json!({"metadata": {"finalizers": null}})),
+                    )
+                    .await;
+            }
+            let namespaces: Api<Namespace> = Api::all(self.client.clone());
+            for n in [&self.ns, &self.app_ns] {
+                let _ = namespaces.delete(n, &DeleteParams::default()).await;
+            }
+        }
+    }
+}
+
+impl Drop for Env {
+    /// An agent killed by the test leaves its uploaders running (they have their own process
+    /// group); they must not outlive the test.
+    fn drop(&mut self) {
+        for p in self.uploader_processes() {
+            if let Some(pid) = p.split(':').next().and_then(|p| p.parse::<i32>().ok()) {
+                let _ = nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(pid),
+                    nix::sys::signal::Signal::SIGKILL,
+                );
+            }
+        }
+    }
+}
+
+async fn ensure_crds(client: &Client) {
+    use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
+    for doc in podvolume_agent::crd::crds_yaml()
+        .split("---\n")
+        .filter(|d| !d.trim().is_empty())
+    {
+        let crd: CustomResourceDefinition = serde_norway::from_str(doc).unwrap();
+        if crds.get_opt(&crd.name_any()).await.unwrap().is_none() {
+            crds.create(&PostParams::default(), &crd).await.unwrap();
+            tokio::time::sleep(Duration::from_secs(2)).await;
+        }
+    }
+}
+
+fn merge(a: &mut serde_json::Value, b: serde_json::Value) {
+    if let (Some(a), serde_json::Value::Object(b)) = (a.as_object_mut(), b) {
+        for (k, v) in b {
+            a.insert(k, v);
+        }
+    }
+}
+
+pub fn pseudo_random(n: usize, seed: u64) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut v = Vec::with_capacity(n + 8);
+    while v.len() < n {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        v.extend_from_slice(&x.to_le_bytes());
+    }
+    v.truncate(n);
+    v
+}
+
+pub struct Recorder<K> {
+    pub seen: Arc<Mutex<Vec<K>>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl<K: Clone> Recorder<K> {
+    pub fn versions(&self) -> Vec<K> {
+        self.seen.lock().unwrap().clone()
+    }
+}
+
+impl<K> Drop for Recorder<K> {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// The agent as a child process; killed when dropped.
+pub struct Agent {
+    pub child: Option<Child>,
+    pub port: u16,
+    pub log: PathBuf,
+}
+
+impl Agent {
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().unwrap().id()
+    }
+
+    pub fn signal(&self, sig: nix::sys::signal::Signal) {
+        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.pid() as i32), sig);
+    }
+
+    /// Waits for the process to exit; returns its exit code.
+    pub fn wait(&mut self, timeout: Duration) -> Option<i32> {
+        let deadline = Instant::now() + timeout;
+        let child = self.child.as_mut()?;
+        loop {
+            if let Some(s) = child.try_wait().unwrap() {
+                return s.code();
+            }
+            if Instant::now() > deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    pub fn logs(&self) -> String {
+        let mut s = std::fs::read_to_string(&self.log).unwrap_or_default();
+        s.push_str(&std::fs::read_to_string(self.log.with_extension("err")).unwrap_or_default());
+        s
+    }
+
+    /// GET on the agent's admin server; (status, body).
+    pub async fn http_get(&self, path: &str) -> Option<(u16, String)> {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut s = tokio::net::TcpStream::connect(("127.0.0.1", self.port))
+            .await
+            .ok()?;
+        s.write_all(
+            format!("GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
+                .as_bytes(),
+        )
+        .await
+        .ok()?;
+        let mut buf = Vec::new();
+        s.read_to_end(&mut buf).await.ok()?;
+        let text = String::from_utf8_lossy(&buf).to_string();
+        let code = text.split_whitespace().nth(1)?.parse().ok()?;
+        let body = text
+            .split_once("\r\n\r\n")
+            .map(|(_, b)| b.to_string())
+            .unwrap_or_default();
+        Some((code, body))
+    }
+
+    /// Waits for `/readyz` to answer 200.
+    pub async fn wait_ready(&mut self, timeout: Duration) {
+        let deadline = Instant::now() + timeout;
+        while Instant::now() < deadline {
+            if let Some(Ok(Some(status))) = self.child.as_mut().map(|c| c.try_wait()) {
+                panic!(
+                    "agent exited ({status}) before it was ready:\n{}",
+                    self.logs()
+                );
+            }
+            if let Some((200, _)) = self.http_get("/readyz").await {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        panic!("agent not ready in {timeout:?}:\n{}", self.logs());
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
