@@ -1347,9 +1347,9 @@ mod tests {
         );
     }
 
-    /// kopia's `units.BytesString` (internal/units/units.go): `%.1f` with trailing zeros and dot
-    /// trimmed, the next unit from 0.9 of it on, `T` the largest prefix. From 900 TB on kopia
-    /// prints the figure in P units with the `T` prefix; that is copied too (still a lower bound).
+    /// A model of how kopia prints byte counts (observed behaviour: one decimal with a trailing
+    /// `.0` dropped, the next unit from 0.9 of it on, `T` the largest prefix, so from 900 TB the
+    /// figure is in P units with a `T` label), used to check that parsing is a lower bound.
     fn kopia_bytes_string(b: u64, base2: bool) -> String {
         let (thousand, prefixes) = if base2 {
             (1024.0, ["", "Ki", "Mi", "Gi", "Ti"])
