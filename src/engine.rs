@@ -38,6 +38,8 @@ pub struct EngineConfig {
     pub init_missing_repository: bool,
     /// How long to wait for a repository lock held by someone else before failing.
     pub lock_wait: Duration,
+    /// Where running uploaders are recorded (see [`runner::kill_recorded`]).
+    pub child_record_dir: Option<PathBuf>,
 }
 
 impl Default for EngineConfig {
@@ -50,6 +52,7 @@ impl Default for EngineConfig {
             max_frame: crate::framing::DEFAULT_MAX_FRAME,
             init_missing_repository: true,
             lock_wait: Duration::from_secs(60),
+            child_record_dir: None,
         }
     }
 }
@@ -187,6 +190,7 @@ impl Engine {
         spec.env_remove = restic::SCRUBBED_ENV.to_vec();
         spec.cwd = cwd.map(Path::to_path_buf);
         spec.max_frame = self.cfg.max_frame;
+        spec.record_dir = self.cfg.child_record_dir.clone();
         spec
     }
 
@@ -439,6 +443,7 @@ impl Engine {
         spec.env_remove = kopia::SCRUBBED_ENV.to_vec();
         spec.cwd = cwd.map(Path::to_path_buf);
         spec.max_frame = self.cfg.max_frame;
+        spec.record_dir = self.cfg.child_record_dir.clone();
         // kopia redraws its progress line with \r and no newline.
         spec.stderr_separators = Separators::NewlineAndCarriageReturn;
         spec

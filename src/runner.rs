@@ -40,6 +40,9 @@ pub struct ChildSpec {
     pub max_frame: usize,
     /// Receives the child's pid once it runs (for measurements from `/proc`).
     pub pid_cell: Option<Arc<AtomicU32>>,
+    /// Where running children are recorded (one file per process group), so that a restarted
+    /// agent can stop uploaders a killed predecessor left behind.
+    pub record_dir: Option<PathBuf>,
 }
 
 impl ChildSpec {
@@ -54,6 +57,7 @@ impl ChildSpec {
             stderr_separators: Separators::Newline,
             max_frame: crate::framing::DEFAULT_MAX_FRAME,
             pid_cell: None,
+            record_dir: None,
         }
     }
 
@@ -199,6 +203,13 @@ pub async fn run(
     if let Some(cell) = &spec.pid_cell {
         cell.store(pid, Ordering::Relaxed);
     }
+    let record = spec.record_dir.as_ref().map(|d| d.join(pid.to_string()));
+    if let Some(r) = &record {
+        let name = spec.program.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_default();
+        if let Err(e) = std::fs::create_dir_all(r.parent().unwrap_or(r)).and_then(|_| std::fs::write(r, name)) {
+            tracing::warn!(error = %e, "cannot record the uploader's process group");
+        }
+    }
     tracing::debug!(pid, argv = %spec.display_argv(), "uploader started");
 
     let mut stdout = child.stdout.take().expect("stdout is piped");
@@ -267,6 +278,9 @@ pub async fn run(
 
     reap_group(pid).await;
     guard.pgid = None;
+    if let Some(r) = &record {
+        let _ = std::fs::remove_file(r);
+    }
     let status = status.expect("loop ends only after the child exited");
     Ok(ChildExit {
         exit: ExitInfo::from_status(status),
@@ -274,6 +288,26 @@ pub async fn run(
         truncated_frames: out_framer.truncated_frames() + err_framer.truncated_frames(),
         pid,
     })
+}
+
+/// Stops process groups recorded in `dir` by a previous agent that died without stopping them
+/// (SIGKILL, OOM). A recorded group is killed only if its leader still runs the recorded
+/// program, so a reused pid is never hit.
+pub async fn kill_recorded(dir: &std::path::Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    for e in entries.flatten() {
+        let path = e.path();
+        let Some(pgid) = e.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else { continue };
+        let program = std::fs::read_to_string(&path).unwrap_or_default();
+        let cmdline = std::fs::read(format!("/proc/{pgid}/cmdline")).unwrap_or_default();
+        let argv0 = cmdline.split(|b| *b == 0).next().map(|a| String::from_utf8_lossy(a).to_string()).unwrap_or_default();
+        let leader_matches = !program.is_empty() && std::path::Path::new(&argv0).file_name().is_some_and(|n| n.to_string_lossy() == program);
+        if leader_matches && !live_group_members(pgid).is_empty() {
+            tracing::warn!(pgid, program = %program, "stopping an uploader left running by a previous agent");
+            reap_group(pgid).await;
+        }
+        let _ = std::fs::remove_file(&path);
+    }
 }
 
 /// Output of a short command whose stdout is one document (`version`, `stats --json`).

@@ -9,6 +9,7 @@
 pub mod admin;
 pub mod backup;
 pub mod metrics;
+pub mod opsapi;
 pub mod registry;
 pub mod restore;
 pub mod state;
@@ -243,6 +244,10 @@ where
 
 /// Runs the agent until SIGTERM/SIGINT; returns the process exit code.
 pub async fn run(args: RunArgs) -> i32 {
+    if let Err(e) = opsapi::check_auth_mode(&args) {
+        tracing::error!("{e}");
+        return 2;
+    }
     let shutdown = CancellationToken::new();
     let ready = Arc::new(AtomicBool::new(false));
     let metrics = Arc::new(Metrics::new(&args.node_name));
@@ -304,8 +309,11 @@ pub async fn run(args: RunArgs) -> i32 {
         cancel_grace: args.cancel_grace,
         init_missing_repository: !args.no_init,
         lock_wait: args.lock_wait,
+        child_record_dir: Some(args.state_dir.join("children")),
         ..EngineConfig::default()
     });
+    // Uploaders of a predecessor killed before it could stop them: their objects are run again.
+    crate::runner::kill_recorded(&args.state_dir.join("children")).await;
     let pvbs: Api<PodVolumeBackup> = Api::namespaced(client.clone(), &args.namespace);
     let pvrs: Api<PodVolumeRestore> = Api::namespaced(client.clone(), &args.namespace);
     let pvb_synced = Arc::new(AtomicBool::new(false));

@@ -452,6 +452,30 @@ impl Env {
         found
     }
 
+    /// A restic wrapper that slows uploads to `kib` KiB/s (restic 0.14 reads at full speed and
+    /// then spends the run uploading), so a backup stays in progress long enough to act on.
+    pub fn slow_restic(&self, kib: u32) -> PathBuf {
+        let p = self.tmp.path().join(format!("restic-slow-{kib}"));
+        std::fs::write(
+            &p,
+            format!("#!/bin/sh\ncase \" $* \" in *\" backup \"*) exec restic \"$@\" --limit-upload={kib};; esac\nexec restic \"$@\"\n"),
+        )
+        .unwrap();
+        make_executable(&p);
+        p
+    }
+
+    /// A restic wrapper that runs restic as `nobody`, who cannot read files made unreadable.
+    pub fn nobody_restic(&self) -> PathBuf {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(self.tmp.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
+        std::fs::set_permissions(&self.password_file, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let p = self.tmp.path().join("restic-as-nobody");
+        std::fs::write(&p, "#!/bin/sh\nexec setpriv --reuid=65534 --regid=65534 --clear-groups restic \"$@\"\n").unwrap();
+        make_executable(&p);
+        p
+    }
+
     /// Cleans up a real cluster's namespaces (the stand-in just goes away).
     pub async fn cleanup(&self) {
         if let Backend::Real(_) = self.backend {
@@ -523,6 +547,11 @@ async fn ensure_crds(client: &Client) {
             tokio::time::sleep(Duration::from_secs(2)).await;
         }
     }
+}
+
+fn make_executable(p: &Path) {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o755)).unwrap();
 }
 
 fn merge(a: &mut serde_json::Value, b: serde_json::Value) {
