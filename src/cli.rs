@@ -31,6 +31,60 @@ pub enum Command {
     Run(Box<RunArgs>),
     /// Print the PodVolumeBackup and PodVolumeRestore CRDs (YAML) for clusters without Velero.
     Crds,
+    /// List the operations a node agent knows (running, queued, recently finished).
+    Operations(ClientArgs),
+    /// Show one operation's progress (ID: the object's UID or `namespace/name`).
+    Progress(OperationArgs),
+    /// Cancel one operation (ID: the object's UID or `namespace/name`); best effort, idempotent.
+    Cancel(OperationArgs),
+}
+
+/// How the client subcommands reach a node agent's operations API.
+#[derive(Debug, Clone, Args)]
+pub struct ClientArgs {
+    /// The agent's address (its `--listen-address`), plain HTTP.
+    #[arg(
+        long,
+        env = "PODVOLUME_AGENT_URL",
+        default_value = "http://127.0.0.1:8085"
+    )]
+    pub url: String,
+    /// File holding the bearer token; otherwise the token of the current kubeconfig context.
+    #[arg(long)]
+    pub token_file: Option<PathBuf>,
+    /// kubeconfig whose current context's token is sent (default: the files in `KUBECONFIG`,
+    /// then `~/.kube/config`).
+    #[arg(long)]
+    pub kubeconfig: Option<PathBuf>,
+    /// Output format.
+    #[arg(short = 'o', long = "output", value_enum, default_value_t = OutputFormat::Table)]
+    pub output: OutputFormat,
+    /// Give up on the request after this long.
+    #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
+    pub timeout: Duration,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct OperationArgs {
+    #[command(flatten)]
+    pub client: ClientArgs,
+    /// The operation: the PodVolumeBackup/PodVolumeRestore UID, or `namespace/name`.
+    pub id: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum OutputFormat {
+    Table,
+    Json,
+}
+
+/// Who may call the operations API.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum ApiAuth {
+    /// Bearer tokens checked with TokenReview and SubjectAccessReview.
+    Kubernetes,
+    /// No checks: local use only, refused unless `--listen-address` is a loopback address.
+    None,
 }
 
 /// `podvolume-agent run`. Names are fixed: the manifests in `daemonset/`, the README and the tests
@@ -97,6 +151,11 @@ pub struct RunArgs {
     /// Health, metrics and operations API.
     #[arg(long, env = "LISTEN_ADDRESS", default_value = "0.0.0.0:8085")]
     pub listen_address: std::net::SocketAddr,
+    /// Who may call the operations API (`/v1/operations`): `kubernetes` checks bearer tokens with
+    /// TokenReview and SubjectAccessReview; `none` is for local use and needs a loopback
+    /// `--listen-address`. Health and metrics are never authenticated.
+    #[arg(long, env = "API_AUTH", value_enum, default_value_t = ApiAuth::Kubernetes)]
+    pub api_auth: ApiAuth,
     #[arg(long, env = "LOG_FORMAT", value_enum, default_value_t = LogFormat::Json)]
     pub log_format: LogFormat,
     /// kubeconfig file; otherwise the in-cluster configuration.

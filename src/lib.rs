@@ -8,6 +8,7 @@
 
 pub mod agent;
 pub mod cli;
+pub mod client;
 pub mod crd;
 pub mod engine;
 pub mod error;

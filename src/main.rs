@@ -1,7 +1,7 @@
 use clap::Parser;
 
-use podvolume_agent::cli::{Cli, Command};
-use podvolume_agent::{oneshot, telemetry};
+use podvolume_agent::cli::{Cli, Command, LogFormat};
+use podvolume_agent::{client, oneshot, telemetry};
 
 fn level(verbose: u8) -> &'static str {
     match verbose {
@@ -26,6 +26,18 @@ async fn main() {
         Command::Run(args) => {
             telemetry::init_logging(args.log_format, "info");
             podvolume_agent::agent::run(*args).await
+        }
+        Command::Operations(args) => {
+            telemetry::init_logging(LogFormat::Plain, "warn");
+            client::operations(args).await
+        }
+        Command::Progress(args) => {
+            telemetry::init_logging(LogFormat::Plain, "warn");
+            client::progress(args).await
+        }
+        Command::Cancel(args) => {
+            telemetry::init_logging(LogFormat::Plain, "warn");
+            client::cancel(args).await
         }
         Command::Crds => {
             print!("{}", podvolume_agent::crd::crds_yaml());

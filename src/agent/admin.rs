@@ -1,4 +1,5 @@
-//! The agent's HTTP endpoints: health, metrics.
+//! The agent's HTTP endpoints: health and metrics (never authenticated), and the operations API
+//! ([`super::opsapi`]).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -29,7 +30,8 @@ pub fn router(state: AdminState) -> Router {
         .route("/livez", get(livez))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
-        .with_state(state)
+        .with_state(state.clone())
+        .merge(super::opsapi::router(state.ops))
 }
 
 pub async fn serve(listener: tokio::net::TcpListener, state: AdminState) {

@@ -55,6 +55,9 @@ pub struct OperationSummary {
     pub state: EntryState,
     pub phase: String,
     pub progress: Option<OperationProgress>,
+    /// When it was queued (accepted); the start of a queued operation's progress.
+    #[serde(skip)]
+    pub queued_at: SystemTime,
 }
 
 struct Entry {
@@ -328,6 +331,7 @@ fn summary(uid: &str, e: &Entry) -> OperationSummary {
             .as_ref()
             .map(Operation::progress)
             .or_else(|| e.final_progress.clone()),
+        queued_at: e.queued_at,
     }
 }
 
