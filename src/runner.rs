@@ -205,8 +205,9 @@ pub async fn run(
     }
     let record = spec.record_dir.as_ref().map(|d| d.join(pid.to_string()));
     if let Some(r) = &record {
-        let name = spec.program.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_default();
-        if let Err(e) = std::fs::create_dir_all(r.parent().unwrap_or(r)).and_then(|_| std::fs::write(r, name)) {
+        // The leader's start time identifies it: a later process reusing the pid has another.
+        let started = process_start_time(pid).unwrap_or_default();
+        if let Err(e) = std::fs::create_dir_all(r.parent().unwrap_or(r)).and_then(|_| std::fs::write(r, started)) {
             tracing::warn!(error = %e, "cannot record the uploader's process group");
         }
     }
@@ -290,20 +291,26 @@ pub async fn run(
     })
 }
 
+/// Start time of a process (field 22 of `/proc/<pid>/stat`, clock ticks since boot).
+fn process_start_time(pid: u32) -> Option<String> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let rest = &stat[stat.rfind(')')? + 1..];
+    // After the command: state is field 3, so start time (field 22) is the 20th here.
+    rest.split_whitespace().nth(19).map(str::to_string)
+}
+
 /// Stops process groups recorded in `dir` by a previous agent that died without stopping them
-/// (SIGKILL, OOM). A recorded group is killed only if its leader still runs the recorded
-/// program, so a reused pid is never hit.
+/// (SIGKILL, OOM). A recorded group is killed only if its leader is the very process recorded
+/// (same start time), so a reused pid is never hit.
 pub async fn kill_recorded(dir: &std::path::Path) {
     let Ok(entries) = std::fs::read_dir(dir) else { return };
     for e in entries.flatten() {
         let path = e.path();
         let Some(pgid) = e.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else { continue };
-        let program = std::fs::read_to_string(&path).unwrap_or_default();
-        let cmdline = std::fs::read(format!("/proc/{pgid}/cmdline")).unwrap_or_default();
-        let argv0 = cmdline.split(|b| *b == 0).next().map(|a| String::from_utf8_lossy(a).to_string()).unwrap_or_default();
-        let leader_matches = !program.is_empty() && std::path::Path::new(&argv0).file_name().is_some_and(|n| n.to_string_lossy() == program);
+        let recorded = std::fs::read_to_string(&path).unwrap_or_default();
+        let leader_matches = !recorded.is_empty() && process_start_time(pgid).as_deref() == Some(recorded.trim());
         if leader_matches && !live_group_members(pgid).is_empty() {
-            tracing::warn!(pgid, program = %program, "stopping an uploader left running by a previous agent");
+            tracing::warn!(pgid, "stopping an uploader left running by a previous agent");
             reap_group(pgid).await;
         }
         let _ = std::fs::remove_file(&path);
