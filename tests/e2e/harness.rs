@@ -469,9 +469,14 @@ impl Env {
     pub fn nobody_restic(&self) -> PathBuf {
         use std::os::unix::fs::PermissionsExt;
         std::fs::set_permissions(self.tmp.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
-        std::fs::set_permissions(&self.password_file, std::fs::Permissions::from_mode(0o644)).unwrap();
+        std::fs::set_permissions(&self.password_file, std::fs::Permissions::from_mode(0o644))
+            .unwrap();
         let p = self.tmp.path().join("restic-as-nobody");
-        std::fs::write(&p, "#!/bin/sh\nexec setpriv --reuid=65534 --regid=65534 --clear-groups restic \"$@\"\n").unwrap();
+        std::fs::write(
+            &p,
+            "#!/bin/sh\nexec setpriv --reuid=65534 --regid=65534 --clear-groups restic \"$@\"\n",
+        )
+        .unwrap();
         make_executable(&p);
         p
     }
