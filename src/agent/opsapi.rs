@@ -402,7 +402,7 @@ enum Target {
 
 impl Target {
     fn parse(id: &str) -> Option<Target> {
-        let id = id.trim_matches('/');
+        let id = id.trim_end_matches('/');
         match id.split_once('/') {
             None if !id.is_empty() => Some(Target::Uid(id.to_string())),
             Some((ns, name)) if !ns.is_empty() && !name.is_empty() && !name.contains('/') => {
