@@ -443,10 +443,8 @@ impl Env {
                 continue;
             };
             let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
-            if cmd.starts_with("restic") || cmd.contains("/restic ") {
-                if cmd.contains(&needle) {
-                    found.push(format!("{pid}: {cmd}"));
-                }
+            if (cmd.starts_with("restic") || cmd.contains("/restic ")) && cmd.contains(&needle) {
+                found.push(format!("{pid}: {cmd}"));
             }
         }
         found

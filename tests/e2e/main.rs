@@ -133,7 +133,9 @@ use kube::ResourceExt;
 
 /// A backup that stays InProgress for a while (uploads slowed), with bytes moving.
 async fn running_backup(env: &Env, name: &str, extra: &[&str]) -> (Agent, kube::api::ObjectMeta) {
-    let (pod, dirs) = env.create_pod(&format!("{name}-pod"), NODE, &["data"]).await;
+    let (pod, dirs) = env
+        .create_pod(&format!("{name}-pod"), NODE, &["data"])
+        .await;
     Env::fill(&dirs["data"], &[("a.bin", 30 << 20), ("b.bin", 10 << 20)]);
     let slow = env.slow_restic(300);
     let mut args = vec![format!("--restic-binary={}", slow.display())];
@@ -146,13 +148,22 @@ async fn running_backup(env: &Env, name: &str, extra: &[&str]) -> (Agent, kube::
     loop {
         let p = env.pvbs().get(name).await.unwrap();
         let st = p.status.clone().unwrap_or_default();
-        if st.phase == Some(Phase::InProgress) && st.progress.as_ref().is_some_and(|p| p.bytes_done > 0) {
+        if st.phase == Some(Phase::InProgress)
+            && st.progress.as_ref().is_some_and(|p| p.bytes_done > 0)
+        {
             break;
         }
-        assert!(std::time::Instant::now() < deadline, "never in progress: {st:?}\n{}", agent.logs());
+        assert!(
+            std::time::Instant::now() < deadline,
+            "never in progress: {st:?}\n{}",
+            agent.logs()
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    assert!(!env.uploader_processes().is_empty(), "restic should be running");
+    assert!(
+        !env.uploader_processes().is_empty(),
+        "restic should be running"
+    );
     (agent, pvb.metadata)
 }
 
@@ -163,18 +174,42 @@ async fn cancel_mid_backup_stops_restic_and_ends_canceled() {
     let rec = env.record(env.pvbs(), "pvb-cancel");
     let t = std::time::Instant::now();
     env.cancel_pvb("pvb-cancel").await;
-    let done = env.wait_pvb("pvb-cancel", &[Phase::Canceled, Phase::Failed, Phase::Completed], LONG).await;
+    let done = env
+        .wait_pvb(
+            "pvb-cancel",
+            &[Phase::Canceled, Phase::Failed, Phase::Completed],
+            LONG,
+        )
+        .await;
     let took = t.elapsed();
     let st = status(&done);
     assert_eq!(st.phase, Some(Phase::Canceled), "{st:?}\n{}", agent.logs());
     // --cancel-grace=3s (harness) + 2 s, plus this test's polling.
     assert!(took < Duration::from_millis(5500), "cancel took {took:?}");
-    assert!(env.uploader_processes().is_empty(), "{:?}", env.uploader_processes());
-    assert!(env.restic_locks().is_empty(), "locks left: {:?}", env.restic_locks());
-    assert!(!done.finalizers().iter().any(|f| f == podvolume_agent::crd::FINALIZER));
+    assert!(
+        env.uploader_processes().is_empty(),
+        "{:?}",
+        env.uploader_processes()
+    );
+    assert!(
+        env.restic_locks().is_empty(),
+        "locks left: {:?}",
+        env.restic_locks()
+    );
+    assert!(
+        !done
+            .finalizers()
+            .iter()
+            .any(|f| f == podvolume_agent::crd::FINALIZER)
+    );
     assert_eq!(done.spec.cancel, Some(true), "spec.cancel must survive");
     tokio::time::sleep(Duration::from_millis(300)).await;
-    assert!(rec.versions().iter().any(|v| v.status.as_ref().and_then(|s| s.phase) == Some(Phase::Canceling)), "Canceling was never shown");
+    assert!(
+        rec.versions()
+            .iter()
+            .any(|v| v.status.as_ref().and_then(|s| s.phase) == Some(Phase::Canceling)),
+        "Canceling was never shown"
+    );
     env.cleanup().await;
 }
 
@@ -185,10 +220,18 @@ async fn deleting_a_running_backup_cancels_it_then_lets_it_go() {
     env.delete_pvb("pvb-delete").await;
     let deadline = std::time::Instant::now() + Duration::from_secs(20);
     while env.pvbs().get_opt("pvb-delete").await.unwrap().is_some() {
-        assert!(std::time::Instant::now() < deadline, "object never went away\n{}", agent.logs());
+        assert!(
+            std::time::Instant::now() < deadline,
+            "object never went away\n{}",
+            agent.logs()
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    assert!(env.uploader_processes().is_empty(), "{:?}", env.uploader_processes());
+    assert!(
+        env.uploader_processes().is_empty(),
+        "{:?}",
+        env.uploader_processes()
+    );
     assert!(env.restic_locks().is_empty());
     env.cleanup().await;
 }
@@ -197,10 +240,23 @@ async fn deleting_a_running_backup_cancels_it_then_lets_it_go() {
 async fn operation_timeout_fails_the_backup_and_says_so() {
     let env = Env::new(Flavour::Velero).await;
     let (agent, _) = running_backup(&env, "pvb-timeout", &["--operation-timeout=12s"]).await;
-    let done = env.wait_pvb("pvb-timeout", &[Phase::Canceled, Phase::Failed, Phase::Completed], LONG).await;
+    let done = env
+        .wait_pvb(
+            "pvb-timeout",
+            &[Phase::Canceled, Phase::Failed, Phase::Completed],
+            LONG,
+        )
+        .await;
     let st = status(&done);
     assert_eq!(st.phase, Some(Phase::Failed), "{st:?}\n{}", agent.logs());
-    assert!(st.message.as_deref().unwrap_or("").contains("timed out after 12s"), "{:?}", st.message);
+    assert!(
+        st.message
+            .as_deref()
+            .unwrap_or("")
+            .contains("timed out after 12s"),
+        "{:?}",
+        st.message
+    );
     assert!(env.uploader_processes().is_empty());
     assert!(env.restic_locks().is_empty());
     env.cleanup().await;
@@ -216,14 +272,41 @@ async fn agent_killed_mid_backup_is_rerun_by_the_next_start() {
     assert!(!env.uploader_processes().is_empty());
     let mut agent2 = env.start_agent(NODE, &[]);
     agent2.wait_ready(LONG).await;
-    let done = env.wait_pvb("pvb-restart", &[Phase::Completed, Phase::Failed, Phase::Canceled], LONG).await;
+    let done = env
+        .wait_pvb(
+            "pvb-restart",
+            &[Phase::Completed, Phase::Failed, Phase::Canceled],
+            LONG,
+        )
+        .await;
     let st = status(&done);
-    assert_eq!(st.phase, Some(Phase::Completed), "{st:?}\n{}", agent2.logs());
-    assert_eq!(done.annotations().get("podvolume-agent.io/attempts").map(String::as_str), Some("2"));
+    assert_eq!(
+        st.phase,
+        Some(Phase::Completed),
+        "{st:?}\n{}",
+        agent2.logs()
+    );
+    assert_eq!(
+        done.annotations()
+            .get("podvolume-agent.io/attempts")
+            .map(String::as_str),
+        Some("2")
+    );
     let id = st.snapshot_id.clone().unwrap();
-    assert!(env.restic_snapshots().iter().any(|s| s["short_id"] == id.as_str()));
-    assert!(env.uploader_processes().is_empty(), "stray: {:?}", env.uploader_processes());
-    assert!(agent2.logs().contains("left running by a previous agent"), "the orphan was not stopped by the new agent");
+    assert!(
+        env.restic_snapshots()
+            .iter()
+            .any(|s| s["short_id"] == id.as_str())
+    );
+    assert!(
+        env.uploader_processes().is_empty(),
+        "stray: {:?}",
+        env.uploader_processes()
+    );
+    assert!(
+        agent2.logs().contains("left running by a previous agent"),
+        "the orphan was not stopped by the new agent"
+    );
     env.cleanup().await;
 }
 
@@ -234,13 +317,33 @@ async fn sigterm_stops_children_and_leaves_the_object_for_the_next_start() {
     agent.signal(Signal::SIGTERM);
     let code = agent.wait(Duration::from_secs(20));
     assert_eq!(code, Some(0), "{}", agent.logs());
-    assert!(env.uploader_processes().is_empty(), "{:?}", env.uploader_processes());
+    assert!(
+        env.uploader_processes().is_empty(),
+        "{:?}",
+        env.uploader_processes()
+    );
     let left = env.pvbs().get("pvb-sigterm").await.unwrap();
-    assert_eq!(status(&left).phase, Some(Phase::InProgress), "left for the next start");
+    assert_eq!(
+        status(&left).phase,
+        Some(Phase::InProgress),
+        "left for the next start"
+    );
     let mut agent2 = env.start_agent(NODE, &[]);
     agent2.wait_ready(LONG).await;
-    let done = env.wait_pvb("pvb-sigterm", &[Phase::Completed, Phase::Failed, Phase::Canceled], LONG).await;
-    assert_eq!(status(&done).phase, Some(Phase::Completed), "{:?}\n{}", done.status, agent2.logs());
+    let done = env
+        .wait_pvb(
+            "pvb-sigterm",
+            &[Phase::Completed, Phase::Failed, Phase::Canceled],
+            LONG,
+        )
+        .await;
+    assert_eq!(
+        status(&done).phase,
+        Some(Phase::Completed),
+        "{:?}\n{}",
+        done.status,
+        agent2.logs()
+    );
     env.cleanup().await;
 }
 
@@ -256,11 +359,21 @@ async fn api_outage_mid_backup_the_result_still_lands() {
     // The agent stays alive and healthy while the API server is gone.
     tokio::time::sleep(Duration::from_secs(2)).await;
     assert_eq!(agent.http_get("/livez").await.map(|r| r.0), Some(200));
-    let done = env.wait_pvb("pvb-outage", &[Phase::Completed, Phase::Failed, Phase::Canceled], Duration::from_secs(150)).await;
+    let done = env
+        .wait_pvb(
+            "pvb-outage",
+            &[Phase::Completed, Phase::Failed, Phase::Canceled],
+            Duration::from_secs(150),
+        )
+        .await;
     let st = status(&done);
     assert_eq!(st.phase, Some(Phase::Completed), "{st:?}\n{}", agent.logs());
     let id = st.snapshot_id.clone().unwrap();
-    assert!(env.restic_snapshots().iter().any(|s| s["short_id"] == id.as_str()));
+    assert!(
+        env.restic_snapshots()
+            .iter()
+            .any(|s| s["short_id"] == id.as_str())
+    );
     env.cleanup().await;
 }
 
@@ -275,13 +388,28 @@ async fn conflict_storm_on_status_writes() {
     let total = Env::fill(&dirs["data"], &[("a.bin", 20 << 20)]);
     let mut agent = env.start_agent(NODE, &[]);
     agent.wait_ready(LONG).await;
-    server.conflict_next(RequestMatch::any().verb("patch").resource("podvolumebackups"), 25);
+    server.conflict_next(
+        RequestMatch::any()
+            .verb("patch")
+            .resource("podvolumebackups"),
+        25,
+    );
     env.create_pvb("pvb-storm", &pod, "data", NODE).await;
-    let done = env.wait_pvb("pvb-storm", &[Phase::Completed, Phase::Failed, Phase::Canceled], LONG).await;
+    let done = env
+        .wait_pvb(
+            "pvb-storm",
+            &[Phase::Completed, Phase::Failed, Phase::Canceled],
+            LONG,
+        )
+        .await;
     let st = status(&done);
     assert_eq!(st.phase, Some(Phase::Completed), "{st:?}\n{}", agent.logs());
     assert_eq!(progress_of(&done), (total as i64, total as i64));
-    let conflicts = server.request_log().iter().filter(|r| r.status == 409).count();
+    let conflicts = server
+        .request_log()
+        .iter()
+        .filter(|r| r.status == 409)
+        .count();
     assert!(conflicts >= 20, "the storm happened: {conflicts} conflicts");
     env.cleanup().await;
 }
@@ -291,7 +419,11 @@ async fn partial_backup(partial_as_completed: bool) {
     let env = Env::new(Flavour::Velero).await;
     let (pod, dirs) = env.create_pod("partial-pod", NODE, &["data"]).await;
     Env::fill(&dirs["data"], &[("ok.bin", 1 << 20), ("secret.txt", 100)]);
-    std::fs::set_permissions(dirs["data"].join("secret.txt"), std::fs::Permissions::from_mode(0o000)).unwrap();
+    std::fs::set_permissions(
+        dirs["data"].join("secret.txt"),
+        std::fs::Permissions::from_mode(0o000),
+    )
+    .unwrap();
     let nobody = env.nobody_restic();
     let mut args = vec![format!("--restic-binary={}", nobody.display())];
     if partial_as_completed {
@@ -301,14 +433,27 @@ async fn partial_backup(partial_as_completed: bool) {
     let mut agent = env.start_agent(NODE, &args);
     agent.wait_ready(LONG).await;
     env.create_pvb("pvb-partial", &pod, "data", NODE).await;
-    let done = env.wait_pvb("pvb-partial", &[Phase::Completed, Phase::Failed, Phase::Canceled], LONG).await;
+    let done = env
+        .wait_pvb(
+            "pvb-partial",
+            &[Phase::Completed, Phase::Failed, Phase::Canceled],
+            LONG,
+        )
+        .await;
     let st = status(&done);
-    let want = if partial_as_completed { Phase::Completed } else { Phase::Failed };
+    let want = if partial_as_completed {
+        Phase::Completed
+    } else {
+        Phase::Failed
+    };
     assert_eq!(st.phase, Some(want), "{st:?}\n{}", agent.logs());
     let id = st.snapshot_id.clone().unwrap_or_default();
     assert!(!id.is_empty(), "the snapshot ID is kept");
     let msg = st.message.clone().unwrap_or_default();
-    assert!(msg.contains("1 item could not be read") && msg.contains("secret.txt"), "{msg}");
+    assert!(
+        msg.contains("1 item could not be read") && msg.contains("secret.txt"),
+        "{msg}"
+    );
     env.cleanup().await;
 }
 
@@ -329,11 +474,20 @@ async fn empty_volume_completes_like_velero() {
     let mut agent = env.start_agent(NODE, &[]);
     agent.wait_ready(LONG).await;
     env.create_pvb("pvb-empty", &pod, "data", NODE).await;
-    let done = env.wait_pvb("pvb-empty", &[Phase::Completed, Phase::Failed, Phase::Canceled], LONG).await;
+    let done = env
+        .wait_pvb(
+            "pvb-empty",
+            &[Phase::Completed, Phase::Failed, Phase::Canceled],
+            LONG,
+        )
+        .await;
     let st = status(&done);
     assert_eq!(st.phase, Some(Phase::Completed), "{st:?}\n{}", agent.logs());
     assert_eq!(st.snapshot_id.as_deref(), Some(""));
-    assert_eq!(st.message.as_deref(), Some("volume was empty so no snapshot was taken"));
+    assert_eq!(
+        st.message.as_deref(),
+        Some("volume was empty so no snapshot was taken")
+    );
     env.cleanup().await;
 }
 
@@ -350,17 +504,27 @@ async fn hostile_volume_names_and_escaping_symlinks_are_refused() {
     std::os::unix::fs::symlink(&outside, &dirs["link"]).unwrap();
     let mut agent = env.start_agent(NODE, &[]);
     agent.wait_ready(LONG).await;
-    env.create_pvb("pvb-dotdot", &pod, "../../../etc", NODE).await;
+    env.create_pvb("pvb-dotdot", &pod, "../../../etc", NODE)
+        .await;
     env.create_pvb("pvb-link", &pod, "link", NODE).await;
     for name in ["pvb-dotdot", "pvb-link"] {
-        let done = env.wait_pvb(name, &[Phase::Completed, Phase::Failed, Phase::Canceled], LONG).await;
+        let done = env
+            .wait_pvb(
+                name,
+                &[Phase::Completed, Phase::Failed, Phase::Canceled],
+                LONG,
+            )
+            .await;
         let st = status(&done);
         assert_eq!(st.phase, Some(Phase::Failed), "{name}: {st:?}");
         let msg = st.message.clone().unwrap_or_default();
         assert!(msg.contains("cannot locate volume"), "{name}: {msg}");
         assert!(st.snapshot_id.as_deref().unwrap_or("").is_empty());
     }
-    assert!(env.restic_snapshots().is_empty(), "nothing may have been backed up");
+    assert!(
+        env.restic_snapshots().is_empty(),
+        "nothing may have been backed up"
+    );
     env.cleanup().await;
 }
 
@@ -368,27 +532,48 @@ async fn hostile_volume_names_and_escaping_symlinks_are_refused() {
 async fn restore_into_another_pod_with_the_done_file() {
     let env = Env::new(Flavour::Velero).await;
     let (src_pod, src) = env.create_pod("src-pod", NODE, &["data"]).await;
-    let total = Env::fill(&src["data"], &[("big.bin", 40 << 20), ("d/x.txt", 123), ("d/e/y.txt", 4567)]);
+    let total = Env::fill(
+        &src["data"],
+        &[("big.bin", 40 << 20), ("d/x.txt", 123), ("d/e/y.txt", 4567)],
+    );
     let mut agent = env.start_agent(NODE, &[]);
     agent.wait_ready(LONG).await;
     env.create_pvb("pvb-src", &src_pod, "data", NODE).await;
-    let b = env.wait_pvb("pvb-src", &[Phase::Completed, Phase::Failed], LONG).await;
+    let b = env
+        .wait_pvb("pvb-src", &[Phase::Completed, Phase::Failed], LONG)
+        .await;
     let id = status(&b).snapshot_id.clone().unwrap();
     let (dst_pod, dst) = env.create_pod("dst-pod", NODE, &["data"]).await;
     let (far_pod, _) = env.create_pod("far-pod", OTHER_NODE, &["data"]).await;
-    env.create_pvr("pvr-far", &far_pod, "data", &id, "restore-uid-2").await;
-    env.create_pvr("pvr-1", &dst_pod, "data", &id, "restore-uid-1").await;
-    let r = env.wait_pvr("pvr-1", &[Phase::Completed, Phase::Failed, Phase::Canceled], LONG).await;
+    env.create_pvr("pvr-far", &far_pod, "data", &id, "restore-uid-2")
+        .await;
+    env.create_pvr("pvr-1", &dst_pod, "data", &id, "restore-uid-1")
+        .await;
+    let r = env
+        .wait_pvr(
+            "pvr-1",
+            &[Phase::Completed, Phase::Failed, Phase::Canceled],
+            LONG,
+        )
+        .await;
     let st = r.status.clone().unwrap();
     assert_eq!(st.phase, Some(Phase::Completed), "{st:?}\n{}", agent.logs());
     assert_eq!(st.node.as_deref(), Some(NODE));
     let p = st.progress.unwrap();
     assert_eq!((p.bytes_done, p.total_bytes), (total as i64, total as i64));
     for f in ["big.bin", "d/x.txt", "d/e/y.txt"] {
-        assert_eq!(std::fs::read(src["data"].join(f)).unwrap(), std::fs::read(dst["data"].join(f)).unwrap(), "{f}");
+        assert_eq!(
+            std::fs::read(src["data"].join(f)).unwrap(),
+            std::fs::read(dst["data"].join(f)).unwrap(),
+            "{f}"
+        );
     }
     let done_dir = dst["data"].join(".velero");
-    let entries: Vec<_> = std::fs::read_dir(&done_dir).unwrap().flatten().map(|e| e.file_name()).collect();
+    let entries: Vec<_> = std::fs::read_dir(&done_dir)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name())
+        .collect();
     assert_eq!(entries, vec![std::ffi::OsString::from("restore-uid-1")]);
     // The restore for a pod on another node is not touched.
     let far = env.pvrs().get("pvr-far").await.unwrap();
@@ -403,15 +588,33 @@ async fn concurrency_one_runs_oldest_first() {
     Env::fill(&dirs["a"], &[("x.bin", 20 << 20)]);
     Env::fill(&dirs["b"], &[("y.bin", 1 << 20)]);
     let slow = env.slow_restic(2000);
-    let mut agent = env.start_agent(NODE, &[&format!("--restic-binary={}", slow.display()), "--concurrency=1"]);
+    let mut agent = env.start_agent(
+        NODE,
+        &[
+            &format!("--restic-binary={}", slow.display()),
+            "--concurrency=1",
+        ],
+    );
     agent.wait_ready(LONG).await;
     env.create_pvb("pvb-first", &pod, "a", NODE).await;
     tokio::time::sleep(Duration::from_millis(1100)).await;
     env.create_pvb("pvb-second", &pod, "b", NODE).await;
-    let first = env.wait_pvb("pvb-first", &[Phase::InProgress, Phase::Completed], LONG).await;
-    let second = env.wait_pvb("pvb-second", &[Phase::Accepted, Phase::InProgress, Phase::Completed], LONG).await;
+    let first = env
+        .wait_pvb("pvb-first", &[Phase::InProgress, Phase::Completed], LONG)
+        .await;
+    let second = env
+        .wait_pvb(
+            "pvb-second",
+            &[Phase::Accepted, Phase::InProgress, Phase::Completed],
+            LONG,
+        )
+        .await;
     if status(&first).phase == Some(Phase::InProgress) {
-        assert_eq!(status(&second).phase, Some(Phase::Accepted), "second must wait for the slot");
+        assert_eq!(
+            status(&second).phase,
+            Some(Phase::Accepted),
+            "second must wait for the slot"
+        );
     }
     let first = env.wait_pvb("pvb-first", &[Phase::Completed], LONG).await;
     let second = env.wait_pvb("pvb-second", &[Phase::Completed], LONG).await;
@@ -423,7 +626,11 @@ async fn concurrency_one_runs_oldest_first() {
 
 /// A free loopback port.
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }
 
 /// restic's REST server (`rclone serve restic`) on loopback.
@@ -440,7 +647,10 @@ fn rest_server(dir: &std::path::Path, port: u16) -> std::process::Child {
 
 async fn wait_port(port: u16) {
     for _ in 0..100 {
-        if tokio::net::TcpStream::connect(("127.0.0.1", port)).await.is_ok() {
+        if tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .is_ok()
+        {
             return;
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -465,12 +675,36 @@ async fn remote_repository_backup_and_server_stopped_mid_backup() {
     agent.wait_ready(LONG).await;
     let spec = serde_json::json!({"repoIdentifier": repo});
     // A backup through the REST server completes (the repository is created on first use).
-    env.create_pvb_with("pvb-remote", &pod, "data", NODE, serde_json::json!({}), spec.clone()).await;
-    let done = env.wait_pvb("pvb-remote", &[Phase::Completed, Phase::Failed], LONG).await;
-    assert_eq!(status(&done).phase, Some(Phase::Completed), "{:?}\n{}", done.status, agent.logs());
+    env.create_pvb_with(
+        "pvb-remote",
+        &pod,
+        "data",
+        NODE,
+        serde_json::json!({}),
+        spec.clone(),
+    )
+    .await;
+    let done = env
+        .wait_pvb("pvb-remote", &[Phase::Completed, Phase::Failed], LONG)
+        .await;
+    assert_eq!(
+        status(&done).phase,
+        Some(Phase::Completed),
+        "{:?}\n{}",
+        done.status,
+        agent.logs()
+    );
     assert_eq!(progress_of(&done), (total as i64, total as i64));
     // Then the server goes away in the middle of a backup: a clear failure, the agent healthy.
-    env.create_pvb_with("pvb-remote-down", &pod, "big", NODE, serde_json::json!({}), spec).await;
+    env.create_pvb_with(
+        "pvb-remote-down",
+        &pod,
+        "big",
+        NODE,
+        serde_json::json!({}),
+        spec,
+    )
+    .await;
     let deadline = std::time::Instant::now() + LONG;
     loop {
         let p = env.pvbs().get("pvb-remote-down").await.unwrap();
@@ -483,11 +717,20 @@ async fn remote_repository_backup_and_server_stopped_mid_backup() {
     tokio::time::sleep(Duration::from_secs(1)).await;
     server.kill().unwrap();
     server.wait().unwrap();
-    let failed = env.wait_pvb("pvb-remote-down", &[Phase::Completed, Phase::Failed, Phase::Canceled], Duration::from_secs(300)).await;
+    let failed = env
+        .wait_pvb(
+            "pvb-remote-down",
+            &[Phase::Completed, Phase::Failed, Phase::Canceled],
+            Duration::from_secs(300),
+        )
+        .await;
     let st = status(&failed);
     assert_eq!(st.phase, Some(Phase::Failed), "{st:?}");
     let msg = st.message.clone().unwrap_or_default();
-    assert!(msg.contains("connection refused") || msg.contains("unable to"), "not a clear cause: {msg}");
+    assert!(
+        msg.contains("connection refused") || msg.contains("unable to"),
+        "not a clear cause: {msg}"
+    );
     assert_eq!(agent.http_get("/livez").await.map(|r| r.0), Some(200));
     assert_eq!(agent.http_get("/readyz").await.map(|r| r.0), Some(200));
     env.cleanup().await;
@@ -505,13 +748,18 @@ async fn a_result_saved_during_an_outage_is_reported_after_a_restart_without_rer
     let mut agent = env.start_agent(NODE, &[]);
     agent.wait_ready(LONG).await;
     env.create_pvb("pvb-saved", &pod, "data", NODE).await;
-    env.wait_pvb("pvb-saved", &[Phase::InProgress, Phase::Completed], LONG).await;
+    env.wait_pvb("pvb-saved", &[Phase::InProgress, Phase::Completed], LONG)
+        .await;
     // The API server goes down before the result can be written; the backup finishes meanwhile.
     server.set_server_down(true);
     let state = env.tmp.path().join(format!("state-{NODE}/results"));
     let deadline = std::time::Instant::now() + LONG;
     while std::fs::read_dir(&state).map(|d| d.count()).unwrap_or(0) == 0 {
-        assert!(std::time::Instant::now() < deadline, "no saved result\n{}", agent.logs());
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no saved result\n{}",
+            agent.logs()
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     agent.signal(Signal::SIGTERM);
@@ -520,9 +768,20 @@ async fn a_result_saved_during_an_outage_is_reported_after_a_restart_without_rer
     server.set_server_down(false);
     let mut agent2 = env.start_agent(NODE, &[]);
     agent2.wait_ready(LONG).await;
-    let done = env.wait_pvb("pvb-saved", &[Phase::Completed, Phase::Failed], LONG).await;
-    assert_eq!(status(&done).phase, Some(Phase::Completed), "{:?}", done.status);
-    assert_eq!(env.restic_snapshots().len(), snapshots_before, "the backup was run again");
+    let done = env
+        .wait_pvb("pvb-saved", &[Phase::Completed, Phase::Failed], LONG)
+        .await;
+    assert_eq!(
+        status(&done).phase,
+        Some(Phase::Completed),
+        "{:?}",
+        done.status
+    );
+    assert_eq!(
+        env.restic_snapshots().len(),
+        snapshots_before,
+        "the backup was run again"
+    );
     assert_eq!(snapshots_before, 1);
     env.cleanup().await;
 }
