@@ -11,7 +11,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::registry::{CancelReason, CancelResult, OperationKind};
 use super::status::{ObjectWriter, VolumeObject, WriteError, now_rfc3339};
-use super::transfer::{self, event, finish, monitor, terminal_phase};
+use super::transfer::{self, event, finish, monitor, saved_outcome, terminal_phase};
 use super::{Context, Error, volume};
 use crate::crd::{ATTEMPTS_ANNOTATION, Phase, PodVolumeBackup};
 use crate::engine::BackupRequest;
@@ -49,7 +49,9 @@ async fn reconcile_inner(pvb: Arc<PodVolumeBackup>, ctx: Arc<Context>) -> Result
         // A result the API server never received (it was down, then we restarted).
         tracing::info!("writing a saved result");
         let mut w = writer(&ctx, &pvb);
+        let (phase, bytes) = saved_outcome(&saved.status);
         return if finish(&ctx, &*pvb, &mut w, saved.status, &ctx.shutdown).await {
+            ctx.metrics.finished("backup", phase, Duration::ZERO, bytes);
             Ok(Action::await_change())
         } else {
             Ok(Action::requeue(Duration::from_secs(5)))
@@ -167,7 +169,7 @@ fn submit(ctx: &Arc<Context>, pvb: PodVolumeBackup) {
 async fn run(ctx: Arc<Context>, pvb: PodVolumeBackup, token: CancellationToken) {
     let uid = pvb.uid().unwrap_or_default();
     use tracing::Instrument;
-    let span = tracing::info_span!("backup", namespace = %pvb.namespace().unwrap_or_default(), name = %pvb.name_any(), uid = %uid, node = %ctx.args.node_name);
+    let span = tracing::info_span!("backup", namespace = %pvb.namespace().unwrap_or_default(), name = %pvb.name_any(), uid = %uid, node = %ctx.args.node_name, uploader = %super::uploader_of(&ctx, pvb.spec.uploader_type));
     async {
         let started = Instant::now();
         let mut w = writer(&ctx, &pvb);
@@ -232,6 +234,7 @@ async fn run(ctx: Arc<Context>, pvb: PodVolumeBackup, token: CancellationToken) 
         let progress = op.progress();
         ctx.registry.set_final(&uid, progress.clone());
         ctx.metrics.uploader_exit(outcome.kind.class());
+        ctx.metrics.truncated(outcome.truncated_frames);
         if reason == Some(CancelReason::Shutdown) {
             tracing::info!("left for the next agent start to run again");
             return;

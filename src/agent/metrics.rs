@@ -157,7 +157,7 @@ impl Metrics {
         );
         registry.register(
             "podvolume_agent_throughput_bytes_per_second",
-            "Current transfer rate over the last 30 s, summed over running operations",
+            "Average transfer rate of the running operation of each direction since it started (0 when none runs)",
             m.throughput.clone(),
         );
         registry.register(

@@ -12,7 +12,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::registry::{CancelReason, CancelResult, OperationKind};
 use super::status::{ObjectWriter, VolumeObject, WriteError, now_rfc3339};
-use super::transfer::{self, event, finish, monitor, terminal_phase};
+use super::transfer::{self, event, finish, monitor, saved_outcome, terminal_phase};
 use super::{Context, Error, volume};
 use crate::crd::{ATTEMPTS_ANNOTATION, Phase, PodVolumeRestore};
 use crate::engine::RestoreRequest;
@@ -68,7 +68,9 @@ async fn reconcile_inner(pvr: Arc<PodVolumeRestore>, ctx: Arc<Context>) -> Resul
     }
     if let Some(saved) = ctx.state.load(&uid) {
         let mut w = writer(&ctx, &pvr);
+        let (phase, bytes) = saved_outcome(&saved.status);
         return if finish(&ctx, &*pvr, &mut w, saved.status, &ctx.shutdown).await {
+            ctx.metrics.finished("restore", phase, Duration::ZERO, bytes);
             Ok(Action::await_change())
         } else {
             Ok(Action::requeue(Duration::from_secs(5)))
@@ -189,7 +191,7 @@ fn restore_uid(pvr: &PodVolumeRestore) -> Option<String> {
 async fn run(ctx: Arc<Context>, pvr: PodVolumeRestore, token: CancellationToken) {
     use tracing::Instrument;
     let uid = pvr.uid().unwrap_or_default();
-    let span = tracing::info_span!("restore", namespace = %pvr.namespace().unwrap_or_default(), name = %pvr.name_any(), uid = %uid, node = %ctx.args.node_name);
+    let span = tracing::info_span!("restore", namespace = %pvr.namespace().unwrap_or_default(), name = %pvr.name_any(), uid = %uid, node = %ctx.args.node_name, uploader = %super::uploader_of(&ctx, pvr.spec.uploader_type));
     async {
         let started = Instant::now();
         let mut w = writer(&ctx, &pvr);
@@ -253,6 +255,7 @@ async fn run(ctx: Arc<Context>, pvr: PodVolumeRestore, token: CancellationToken)
         let progress = op.progress();
         ctx.registry.set_final(&uid, progress.clone());
         ctx.metrics.uploader_exit(outcome.kind.class());
+        ctx.metrics.truncated(outcome.truncated_frames);
         if reason == Some(CancelReason::Shutdown) {
             return;
         }

@@ -286,6 +286,16 @@ pub fn terminal_phase(
     }
 }
 
+/// The metric result and bytes of a saved terminal status (reported after a restart).
+pub fn saved_outcome(status: &Value) -> (&'static str, u64) {
+    let result = match status["phase"].as_str() {
+        Some("Completed") => "success",
+        Some("Canceled") => "cancel",
+        _ => "failure",
+    };
+    (result, status["progress"]["bytesDone"].as_u64().unwrap_or(0))
+}
+
 /// `started` for the latency metric.
 pub fn since(start: Instant) -> Duration {
     start.elapsed()

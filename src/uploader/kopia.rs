@@ -712,6 +712,7 @@ pub fn classify(
         summary: summary.map(RunSummaryView::from),
         failed_items,
         first_failed_items: facts.first_failed_items.clone(),
+        truncated_frames: facts.truncated_frames,
     }
 }
 

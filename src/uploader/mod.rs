@@ -177,6 +177,9 @@ pub struct Outcome {
     /// Number of unreadable items and the first few of them.
     pub failed_items: u64,
     pub first_failed_items: Vec<FailedItem>,
+    /// Output records over the framing cap that were skipped.
+    #[serde(skip)]
+    pub truncated_frames: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -264,6 +267,7 @@ impl Outcome {
             summary: None,
             failed_items: 0,
             first_failed_items: Vec::new(),
+            truncated_frames: 0,
         }
     }
 

@@ -551,6 +551,7 @@ pub fn classify(
                 }),
                 failed_items: 0,
                 first_failed_items: Vec::new(),
+                truncated_frames: facts.truncated_frames,
             };
         }
         // 0.17/0.18 sometimes end an interrupted run with exit 1 and "context canceled".
@@ -584,6 +585,7 @@ pub fn classify(
         summary: facts.summary.as_ref().map(RunSummaryView::from),
         failed_items: facts.failed_items,
         first_failed_items: facts.first_failed_items.clone(),
+        truncated_frames: facts.truncated_frames,
     }
 }
 

@@ -733,6 +733,30 @@ async fn remote_repository_backup_and_server_stopped_mid_backup() {
     );
     assert_eq!(agent.http_get("/livez").await.map(|r| r.0), Some(200));
     assert_eq!(agent.http_get("/readyz").await.map(|r| r.0), Some(200));
+    // The server comes back: the next backup of the same repository works (the lock the killed
+    // run could not remove is not exclusive and does not block it).
+    let mut server = rest_server(&store, port);
+    wait_port(port).await;
+    env.create_pvb_with(
+        "pvb-remote-again",
+        &pod,
+        "data",
+        NODE,
+        serde_json::json!({}),
+        serde_json::json!({"repoIdentifier": repo}),
+    )
+    .await;
+    let again = env
+        .wait_pvb("pvb-remote-again", &[Phase::Completed, Phase::Failed], LONG)
+        .await;
+    assert_eq!(
+        status(&again).phase,
+        Some(Phase::Completed),
+        "{:?}",
+        again.status
+    );
+    server.kill().unwrap();
+    server.wait().unwrap();
     env.cleanup().await;
 }
 
