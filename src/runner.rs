@@ -207,7 +207,9 @@ pub async fn run(
     if let Some(r) = &record {
         // The leader's start time identifies it: a later process reusing the pid has another.
         let started = process_start_time(pid).unwrap_or_default();
-        if let Err(e) = std::fs::create_dir_all(r.parent().unwrap_or(r)).and_then(|_| std::fs::write(r, started)) {
+        if let Err(e) = std::fs::create_dir_all(r.parent().unwrap_or(r))
+            .and_then(|_| std::fs::write(r, started))
+        {
             tracing::warn!(error = %e, "cannot record the uploader's process group");
         }
     }
@@ -303,14 +305,22 @@ fn process_start_time(pid: u32) -> Option<String> {
 /// (SIGKILL, OOM). A recorded group is killed only if its leader is the very process recorded
 /// (same start time), so a reused pid is never hit.
 pub async fn kill_recorded(dir: &std::path::Path) {
-    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
     for e in entries.flatten() {
         let path = e.path();
-        let Some(pgid) = e.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else { continue };
+        let Some(pgid) = e.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else {
+            continue;
+        };
         let recorded = std::fs::read_to_string(&path).unwrap_or_default();
-        let leader_matches = !recorded.is_empty() && process_start_time(pgid).as_deref() == Some(recorded.trim());
+        let leader_matches =
+            !recorded.is_empty() && process_start_time(pgid).as_deref() == Some(recorded.trim());
         if leader_matches && !live_group_members(pgid).is_empty() {
-            tracing::warn!(pgid, "stopping an uploader left running by a previous agent");
+            tracing::warn!(
+                pgid,
+                "stopping an uploader left running by a previous agent"
+            );
             reap_group(pgid).await;
         }
         let _ = std::fs::remove_file(&path);
