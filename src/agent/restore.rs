@@ -70,7 +70,8 @@ async fn reconcile_inner(pvr: Arc<PodVolumeRestore>, ctx: Arc<Context>) -> Resul
         let mut w = writer(&ctx, &pvr);
         let (phase, bytes) = saved_outcome(&saved.status);
         return if finish(&ctx, &*pvr, &mut w, saved.status, &ctx.shutdown).await {
-            ctx.metrics.finished("restore", phase, Duration::ZERO, bytes);
+            ctx.metrics
+                .finished("restore", phase, Duration::ZERO, bytes);
             Ok(Action::await_change())
         } else {
             Ok(Action::requeue(Duration::from_secs(5)))

@@ -293,7 +293,10 @@ pub fn saved_outcome(status: &Value) -> (&'static str, u64) {
         Some("Canceled") => "cancel",
         _ => "failure",
     };
-    (result, status["progress"]["bytesDone"].as_u64().unwrap_or(0))
+    (
+        result,
+        status["progress"]["bytesDone"].as_u64().unwrap_or(0),
+    )
 }
 
 /// `started` for the latency metric.
