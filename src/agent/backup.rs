@@ -1,7 +1,7 @@
 //! PodVolumeBackups: reconcile (claim, queue, cancel — returns at once) and the backup itself.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::Pod;
 use kube::runtime::controller::Action;
@@ -11,7 +11,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::registry::{CancelReason, CancelResult, OperationKind};
 use super::status::{ObjectWriter, VolumeObject, WriteError, now_rfc3339};
-use super::transfer::{self, event, finish, monitor, saved_outcome, terminal_phase};
+use super::transfer::{self, end, event, finish, monitor, saved_outcome, terminal_phase};
 use super::{Context, Error, volume};
 use crate::crd::{ATTEMPTS_ANNOTATION, Phase, PodVolumeBackup};
 use crate::engine::BackupRequest;
@@ -143,13 +143,12 @@ async fn cancel_now(
 
 fn submit(ctx: &Arc<Context>, pvb: PodVolumeBackup) {
     let uid = pvb.uid().unwrap_or_default();
-    let order = pvb
-        .status
-        .as_ref()
-        .and_then(|s| s.accepted_timestamp.as_ref())
-        .or(pvb.metadata.creation_timestamp.as_ref())
-        .map(|t| SystemTime::from(t.0))
-        .unwrap_or_else(SystemTime::now);
+    let order = transfer::queue_order(
+        pvb.status
+            .as_ref()
+            .and_then(|s| s.accepted_timestamp.as_ref()),
+        pvb.metadata.creation_timestamp.as_ref(),
+    );
     let ctx2 = Arc::clone(ctx);
     let ns = pvb.namespace().unwrap_or_default();
     let name = pvb.name_any();
@@ -266,30 +265,6 @@ async fn run(ctx: Arc<Context>, pvb: PodVolumeBackup, token: CancellationToken) 
 
 fn failed(message: String) -> Value {
     json!({ "phase": Phase::Failed.as_str(), "message": message })
-}
-
-async fn end(
-    ctx: &Context,
-    pvb: &PodVolumeBackup,
-    w: &mut ObjectWriter<PodVolumeBackup>,
-    status: Value,
-    result: &str,
-    started: Instant,
-    bytes: u64,
-) {
-    let phase = status["phase"].as_str().unwrap_or("").to_string();
-    let message = status["message"].as_str().unwrap_or("").to_string();
-    let uid = pvb.uid().unwrap_or_default();
-    ctx.registry.set_phase(&uid, &phase);
-    if finish(ctx, pvb, w, status, &ctx.shutdown).await {
-        ctx.metrics
-            .finished("backup", result, started.elapsed(), bytes);
-        event(ctx, pvb, result == "failure", &phase, message).await;
-    }
-    ctx.metrics.set_operations(
-        ctx.registry.running().saturating_sub(1),
-        ctx.registry.queued(),
-    );
 }
 
 fn attempts_of(pvb: &PodVolumeBackup) -> u32 {

@@ -2,7 +2,7 @@
 //! then the done-file Velero's restore-helper init container waits for.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::Pod;
 use kube::runtime::controller::Action;
@@ -12,7 +12,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::registry::{CancelReason, CancelResult, OperationKind};
 use super::status::{ObjectWriter, VolumeObject, WriteError, now_rfc3339};
-use super::transfer::{self, event, finish, monitor, saved_outcome, terminal_phase};
+use super::transfer::{self, end, event, finish, monitor, saved_outcome, terminal_phase};
 use super::{Context, Error, volume};
 use crate::crd::{ATTEMPTS_ANNOTATION, Phase, PodVolumeRestore};
 use crate::engine::RestoreRequest;
@@ -158,13 +158,12 @@ async fn cancel_now(ctx: &Context, pvr: &PodVolumeRestore, reason: CancelReason)
 
 fn submit(ctx: &Arc<Context>, pvr: PodVolumeRestore) {
     let uid = pvr.uid().unwrap_or_default();
-    let order = pvr
-        .status
-        .as_ref()
-        .and_then(|s| s.accepted_timestamp.as_ref())
-        .or(pvr.metadata.creation_timestamp.as_ref())
-        .map(|t| SystemTime::from(t.0))
-        .unwrap_or_else(SystemTime::now);
+    let order = transfer::queue_order(
+        pvr.status
+            .as_ref()
+            .and_then(|s| s.accepted_timestamp.as_ref()),
+        pvr.metadata.creation_timestamp.as_ref(),
+    );
     let ctx2 = Arc::clone(ctx);
     let ns = pvr.namespace().unwrap_or_default();
     let name = pvr.name_any();
@@ -296,26 +295,6 @@ async fn run(ctx: Arc<Context>, pvr: PodVolumeRestore, token: CancellationToken)
 
 fn failed(ctx: &Context, message: String) -> Value {
     json!({ "phase": Phase::Failed.as_str(), "message": message, "node": ctx.args.node_name })
-}
-
-async fn end(
-    ctx: &Context,
-    pvr: &PodVolumeRestore,
-    w: &mut ObjectWriter<PodVolumeRestore>,
-    status: Value,
-    result: &str,
-    started: Instant,
-    bytes: u64,
-) {
-    let phase = status["phase"].as_str().unwrap_or("").to_string();
-    let message = status["message"].as_str().unwrap_or("").to_string();
-    ctx.registry
-        .set_phase(&pvr.uid().unwrap_or_default(), &phase);
-    if finish(ctx, pvr, w, status, &ctx.shutdown).await {
-        ctx.metrics
-            .finished("restore", result, started.elapsed(), bytes);
-        event(ctx, pvr, result == "failure", &phase, message).await;
-    }
 }
 
 async fn prepare(

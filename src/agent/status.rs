@@ -27,12 +27,15 @@ pub trait VolumeObject:
     Resource<DynamicType = ()> + Clone + Debug + DeserializeOwned + Send + Sync + 'static
 {
     const KIND: &'static str;
+    /// The operation name in metrics: `backup` or `restore`.
+    const OPERATION: &'static str;
     fn phase(&self) -> Phase;
     fn cancel_requested(&self) -> bool;
 }
 
 impl VolumeObject for PodVolumeBackup {
     const KIND: &'static str = "PodVolumeBackup";
+    const OPERATION: &'static str = "backup";
     fn phase(&self) -> Phase {
         self.status
             .as_ref()
@@ -46,6 +49,7 @@ impl VolumeObject for PodVolumeBackup {
 
 impl VolumeObject for PodVolumeRestore {
     const KIND: &'static str = "PodVolumeRestore";
+    const OPERATION: &'static str = "restore";
     fn phase(&self) -> Phase {
         self.status
             .as_ref()

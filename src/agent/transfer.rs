@@ -3,6 +3,7 @@
 
 use std::time::{Duration, Instant};
 
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::runtime::events::{Event, EventType};
 use kube::{Resource, ResourceExt};
 use serde_json::{Value, json};
@@ -284,6 +285,40 @@ pub fn terminal_phase(
         (_, Some(CancelReason::Requested | CancelReason::Deleted)) => Phase::Canceled,
         _ => Phase::Failed,
     }
+}
+
+/// The terminal write of a transfer, with its metrics and event.
+pub async fn end<K: VolumeObject>(
+    ctx: &Context,
+    obj: &K,
+    w: &mut ObjectWriter<K>,
+    status: Value,
+    result: &str,
+    started: Instant,
+    bytes: u64,
+) {
+    let phase = status["phase"].as_str().unwrap_or("").to_string();
+    let message = status["message"].as_str().unwrap_or("").to_string();
+    ctx.registry
+        .set_phase(&obj.uid().unwrap_or_default(), &phase);
+    if finish(ctx, obj, w, status, &ctx.shutdown).await {
+        ctx.metrics
+            .finished(K::OPERATION, result, started.elapsed(), bytes);
+        event(ctx, obj, result == "failure", &phase, message).await;
+    }
+    // This operation's slot is released right after; count it out already.
+    ctx.metrics.set_operations(
+        ctx.registry.running().saturating_sub(1),
+        ctx.registry.queued(),
+    );
+}
+
+/// Queue order: when the object was accepted (else created); oldest first.
+pub fn queue_order(accepted: Option<&Time>, created: Option<&Time>) -> std::time::SystemTime {
+    accepted
+        .or(created)
+        .map(|t| std::time::SystemTime::from(t.0))
+        .unwrap_or_else(std::time::SystemTime::now)
 }
 
 /// The metric result and bytes of a saved terminal status (reported after a restart).
