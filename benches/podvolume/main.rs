@@ -1,0 +1,119 @@
+//! Benchmarks behind the README's performance claims (issue 6). Not a libtest harness: each
+//! subcommand measures one case and writes a Markdown section; `scripts/bench.sh` runs them all
+//! and assembles `BENCHMARKS.md`.
+//!
+//! `cargo bench --bench podvolume -- <subcommand> [options]` (cargo adds `--bench`, ignored).
+
+mod cancel;
+mod overhead;
+mod parser;
+mod replay;
+mod shapes;
+mod stream;
+mod util;
+
+use std::path::PathBuf;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(about = "podvolume-agent benchmarks")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Capture restic status streams with timing into a directory (testdata/restic-streams).
+    Capture {
+        #[arg(long, default_value = "restic")]
+        restic: PathBuf,
+        #[arg(long)]
+        work: PathBuf,
+        #[arg(long)]
+        out: PathBuf,
+        /// Only this shape.
+        #[arg(long)]
+        only: Option<String>,
+    },
+    /// Cases 1 and 2: overhead over bare restic, incremental with and without a parent.
+    Overhead {
+        #[arg(long, default_value = "restic")]
+        restic: PathBuf,
+        #[arg(long)]
+        agent: PathBuf,
+        #[arg(long)]
+        work: PathBuf,
+        #[arg(long, default_value_t = 5)]
+        runs: usize,
+        /// Small sizes for a fast check.
+        #[arg(long)]
+        quick: bool,
+        #[arg(long)]
+        out: PathBuf,
+    },
+    /// Case 3: progress timeliness and status writes, replaying captured streams in virtual time.
+    Replay {
+        #[arg(long)]
+        streams: PathBuf,
+        #[arg(long)]
+        out: PathBuf,
+    },
+    /// Case 6: parser throughput.
+    Parser {
+        #[arg(long)]
+        streams: PathBuf,
+        /// Seconds per measurement.
+        #[arg(long, default_value_t = 0.5)]
+        secs: f64,
+        #[arg(long)]
+        out: PathBuf,
+    },
+    /// Case 4: cancel latency through the engine.
+    Cancel {
+        #[arg(long, default_value = "restic")]
+        restic: PathBuf,
+        #[arg(long)]
+        work: PathBuf,
+        #[arg(long, default_value_t = 10)]
+        runs: usize,
+        #[arg(long)]
+        out: PathBuf,
+    },
+}
+
+fn main() {
+    // cargo bench passes `--bench` to harness-less benches; drop it.
+    let args: Vec<String> = std::env::args().filter(|a| a != "--bench").collect();
+    let cli = Cli::parse_from(args);
+    match cli.cmd {
+        Cmd::Capture {
+            restic,
+            work,
+            out,
+            only,
+        } => shapes::capture_all(&restic, &work, &out, only.as_deref()),
+        Cmd::Overhead {
+            restic,
+            agent,
+            work,
+            runs,
+            quick,
+            out,
+        } => write(&out, &overhead::run(&restic, &agent, &work, runs, quick)),
+        Cmd::Replay { streams, out } => write(&out, &replay::run(&streams)),
+        Cmd::Parser { streams, secs, out } => write(&out, &parser::run(&streams, secs)),
+        Cmd::Cancel {
+            restic,
+            work,
+            runs,
+            out,
+        } => write(&out, &cancel::run(&restic, &work, runs)),
+    }
+}
+
+fn write(out: &std::path::Path, md: &str) {
+    print!("{md}");
+    std::fs::write(out, md).unwrap_or_else(|e| panic!("{}: {e}", out.display()));
+}

@@ -1,0 +1,343 @@
+//! Cases 1 and 2: the agent's cost over bare restic on the same backup, and the second backup of
+//! unchanged data with and without a parent.
+//!
+//! Every run is timed from spawn to exit. CPU is the user+system time of everything the run
+//! spawned (the child and what it waited for: restic under the agent), read from this process's
+//! `cutime`/`cstime` before and after. Peak RSS is `VmHWM` from `/proc/<pid>/status`, read every
+//! 10 ms while the process lives (the last reading before exit): the agent's own process apart
+//! from restic's (restic is a separate process with its own `VmHWM`).
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use crate::util::{
+    Work, children_cpu, children_of, fmt, gen_large, gen_small, median, mib, processes, restic_cmd,
+    vm_hwm_kib,
+};
+
+#[derive(Debug, Clone, Copy)]
+struct Sample {
+    wall: f64,
+    cpu: f64,
+    /// Peak RSS (KiB) of the spawned process itself.
+    top_hwm: f64,
+    /// Peak RSS (KiB) of the largest restic process under it (same as `top_hwm` for bare restic).
+    restic_hwm: f64,
+}
+
+fn measure(mut cmd: Command, label: &str) -> Sample {
+    cmd.stdin(Stdio::null()).stdout(Stdio::null());
+    let err_file = std::env::temp_dir().join(format!("pva-bench-{}.err", std::process::id()));
+    cmd.stderr(std::fs::File::create(&err_file).unwrap());
+    let cpu0 = children_cpu();
+    let t0 = Instant::now();
+    let mut child = cmd.spawn().expect("spawn");
+    let pid = child.id();
+    let stop = Arc::new(AtomicBool::new(false));
+    let poller = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            let (mut top, mut restic) = (0u64, 0u64);
+            while !stop.load(Ordering::Relaxed) {
+                if let Some(h) = vm_hwm_kib(pid) {
+                    top = top.max(h);
+                }
+                let procs = processes();
+                for c in children_of(pid) {
+                    if procs.iter().any(|p| p.0 == c && p.4 == "restic")
+                        && let Some(h) = vm_hwm_kib(c)
+                    {
+                        restic = restic.max(h);
+                    }
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            (top, restic)
+        })
+    };
+    let status = child.wait().unwrap();
+    let wall = t0.elapsed().as_secs_f64();
+    let cpu = (children_cpu() - cpu0).as_secs_f64();
+    stop.store(true, Ordering::Relaxed);
+    let (top, restic) = poller.join().unwrap();
+    assert!(
+        status.success(),
+        "{label} failed ({status}): {}",
+        std::fs::read_to_string(&err_file).unwrap_or_default()
+    );
+    let _ = std::fs::remove_file(&err_file);
+    Sample {
+        wall,
+        cpu,
+        top_hwm: top as f64,
+        restic_hwm: if restic > 0 { restic } else { top } as f64,
+    }
+}
+
+struct Ctx<'a> {
+    restic: &'a Path,
+    agent: &'a Path,
+    password_file: PathBuf,
+}
+
+impl Ctx<'_> {
+    fn restic(&self, repo: &Path, cache: &Path, data: &Path, fps: Option<&str>) -> Command {
+        let mut c = restic_cmd(self.restic, repo, &self.password_file);
+        if let Some(f) = fps {
+            c.env("RESTIC_PROGRESS_FPS", f);
+        }
+        c.current_dir(data).arg("--cache-dir").arg(cache).args([
+            "backup",
+            "--json",
+            "--host=velero",
+            ".",
+        ]);
+        c
+    }
+
+    fn agent(&self, repo: &Path, cache: &Path, data: &Path, extra: &[String]) -> Command {
+        let mut c = Command::new(self.agent);
+        for (k, _) in std::env::vars_os() {
+            let k2 = k.to_string_lossy();
+            if k2.starts_with("RESTIC_") || k2.starts_with("PODVOLUME_") || k2 == "RUST_LOG" {
+                c.env_remove(&k);
+            }
+        }
+        c.arg("backup")
+            .arg("--json")
+            .arg("--no-init")
+            .arg("--repo")
+            .arg(repo)
+            .arg("--password-file")
+            .arg(&self.password_file)
+            .arg("--cache-dir")
+            .arg(cache)
+            .arg("--restic-binary")
+            .arg(self.restic)
+            .args(extra)
+            .arg(data);
+        c
+    }
+}
+
+struct DataSet {
+    name: String,
+    dir: PathBuf,
+    bytes: u64,
+    files: usize,
+}
+
+fn data_sets(work: &Path, quick: bool) -> Vec<DataSet> {
+    let (lcount, lsize, scount) = if quick {
+        (2, 64u64 << 20, 2_000)
+    } else {
+        (4, 256u64 << 20, 20_000)
+    };
+    let mut out = Vec::new();
+    let large = work.join(format!("data-large-{lcount}x{}", lsize >> 20));
+    let small = work.join(format!("data-small-{scount}"));
+    let marker = |d: &Path| d.join(".complete");
+    if !marker(&large).exists() {
+        let _ = std::fs::remove_dir_all(&large);
+        gen_large(&large, lcount, lsize, 1);
+        std::fs::write(marker(&large), "").unwrap();
+    }
+    if !marker(&small).exists() {
+        let _ = std::fs::remove_dir_all(&small);
+        gen_small(&small, scount, 4096, 2);
+        std::fs::write(marker(&small), "").unwrap();
+    }
+    let size_of = |d: &Path| {
+        let mut b = 0;
+        let mut stack = vec![d.to_path_buf()];
+        while let Some(p) = stack.pop() {
+            for e in std::fs::read_dir(&p).unwrap().flatten() {
+                let m = e.metadata().unwrap();
+                if m.is_dir() {
+                    stack.push(e.path());
+                } else {
+                    b += m.len();
+                }
+            }
+        }
+        b
+    };
+    out.push(DataSet {
+        name: format!("(a) {lcount} files x {} MiB", lsize >> 20),
+        bytes: size_of(&large),
+        dir: large,
+        files: lcount,
+    });
+    out.push(DataSet {
+        name: format!("(b) {scount} small files"),
+        bytes: size_of(&small),
+        dir: small,
+        files: scount,
+    });
+    out
+}
+
+fn med(samples: &[Sample], f: fn(&Sample) -> f64) -> f64 {
+    median(&samples.iter().map(f).collect::<Vec<_>>())
+}
+
+pub fn run(restic: &Path, agent: &Path, work_dir: &Path, runs: usize, quick: bool) -> String {
+    let mut work = Work::new(work_dir, restic);
+    let ctx = Ctx {
+        restic,
+        agent,
+        password_file: work.password_file.clone(),
+    };
+    let sets = data_sets(work_dir, quick);
+    let mut md = String::new();
+
+    // Case 1.
+    md.push_str("## 1. Overhead over bare restic\n\n");
+    md.push_str(&format!(
+        "The same backup into a fresh local repository (an initialised empty one, copied before \
+         each run, outside the timing), {runs} runs of each variant, alternating, medians. Data is \
+         read from the page cache (generated once, same for every run). *restic*: `restic backup \
+         --json` at restic's default status rate (60/s); *restic 2/s*: the same with \
+         `RESTIC_PROGRESS_FPS=2`, the rate the agent asks for at its 1 s update interval; *agent*: \
+         `podvolume-agent backup --json --no-init` (release build, which also runs `restic \
+         version` once). stdout of all goes to /dev/null. Wall: spawn to exit. CPU: user+system of \
+         the process and everything it waited for (agent + restic). Peak RSS: `VmHWM` of each \
+         process, read every 10 ms from /proc while it runs.\n\n"
+    ));
+    md.push_str(
+        "| data | variant | wall s | CPU s | wall ratio vs restic | CPU ratio vs restic | wall ratio vs restic 2/s | CPU ratio vs restic 2/s | agent peak RSS MiB | restic peak RSS MiB |\n\
+         |---|---|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+    );
+    for set in &sets {
+        eprintln!("overhead: {} ({} MiB)", set.name, fmt(mib(set.bytes)));
+        let variants = ["restic", "restic 2/s", "agent"];
+        let mut samples: Vec<Vec<Sample>> = vec![Vec::new(); variants.len()];
+        for i in 0..runs {
+            for k in 0..variants.len() {
+                let v = (i + k) % variants.len();
+                let (repo, cache) = work.fresh_repo();
+                let cmd = match v {
+                    0 => ctx.restic(&repo, &cache, &set.dir, None),
+                    1 => ctx.restic(&repo, &cache, &set.dir, Some("2")),
+                    _ => ctx.agent(&repo, &cache, &set.dir, &[]),
+                };
+                let s = measure(cmd, variants[v]);
+                eprintln!(
+                    "  run {} {}: wall {:.2} s, cpu {:.2} s, rss {} / {} KiB",
+                    i + 1,
+                    variants[v],
+                    s.wall,
+                    s.cpu,
+                    s.top_hwm,
+                    s.restic_hwm
+                );
+                samples[v].push(s);
+                work.drop_repo(&repo, &cache);
+            }
+        }
+        let w: Vec<f64> = samples.iter().map(|s| med(s, |x| x.wall)).collect();
+        let c: Vec<f64> = samples.iter().map(|s| med(s, |x| x.cpu)).collect();
+        for (v, name) in variants.iter().enumerate() {
+            let agent_rss = if v == 2 {
+                fmt(med(&samples[v], |x| x.top_hwm) / 1024.0)
+            } else {
+                "-".into()
+            };
+            md.push_str(&format!(
+                "| {} ({} MiB, {} files) | {name} | {} | {} | {} | {} | {} | {} | {agent_rss} | {} |\n",
+                set.name,
+                fmt(mib(set.bytes)),
+                set.files,
+                fmt(w[v]),
+                fmt(c[v]),
+                fmt(w[v] / w[0]),
+                fmt(c[v] / c[0]),
+                fmt(w[v] / w[1]),
+                fmt(c[v] / c[1]),
+                fmt(med(&samples[v], |x| x.restic_hwm) / 1024.0),
+            ));
+        }
+    }
+
+    // Case 2.
+    md.push_str("\n## 2. Incremental backup of unchanged data\n\n");
+    md.push_str(&format!(
+        "One first backup by the agent into a fresh repository, then {runs} runs of each variant \
+         of a second backup of the same, unchanged data, alternating, into that repository; \
+         medians. *parent found automatically*: no `--parent`, restic picks the latest snapshot \
+         of the same host and path; *explicit `--parent`*: the first snapshot's ID; *no parent*: \
+         `--host` set to a new name for each run, so restic finds no parent — what happens when \
+         parent selection fails (every file is read and hashed again; nothing new is stored \
+         because the chunks deduplicate).\n\n"
+    ));
+    md.push_str(
+        "| data | variant | wall s | CPU s | wall ratio vs no parent | CPU ratio vs no parent |\n\
+         |---|---|---:|---:|---:|---:|\n",
+    );
+    for set in &sets {
+        eprintln!("incremental: {}", set.name);
+        let (repo, cache) = work.fresh_repo();
+        let first = Command::new(agent)
+            .arg("backup")
+            .arg("--no-init")
+            .arg("--repo")
+            .arg(&repo)
+            .arg("--password-file")
+            .arg(&ctx.password_file)
+            .arg("--cache-dir")
+            .arg(&cache)
+            .arg("--restic-binary")
+            .arg(restic)
+            .arg(&set.dir)
+            .stdin(Stdio::null())
+            .stderr(Stdio::null())
+            .output()
+            .unwrap();
+        assert!(first.status.success(), "first backup failed");
+        let id = String::from_utf8_lossy(&first.stdout).trim().to_string();
+        assert!(!id.is_empty(), "no snapshot ID from the first backup");
+        let variants = [
+            "parent found automatically",
+            "explicit --parent",
+            "no parent",
+        ];
+        let mut samples: Vec<Vec<Sample>> = vec![Vec::new(); variants.len()];
+        for i in 0..runs {
+            for k in 0..variants.len() {
+                let v = (i + k) % variants.len();
+                let extra: Vec<String> = match v {
+                    0 => vec![],
+                    1 => vec![format!("--parent={id}")],
+                    _ => vec![format!("--host=bench-no-parent-{i}")],
+                };
+                let s = measure(ctx.agent(&repo, &cache, &set.dir, &extra), variants[v]);
+                eprintln!(
+                    "  run {} {}: wall {:.2} s, cpu {:.2} s",
+                    i + 1,
+                    variants[v],
+                    s.wall,
+                    s.cpu
+                );
+                samples[v].push(s);
+            }
+        }
+        work.drop_repo(&repo, &cache);
+        let w: Vec<f64> = samples.iter().map(|s| med(s, |x| x.wall)).collect();
+        let c: Vec<f64> = samples.iter().map(|s| med(s, |x| x.cpu)).collect();
+        for (v, name) in variants.iter().enumerate() {
+            md.push_str(&format!(
+                "| {} | {name} | {} | {} | {} | {} |\n",
+                set.name,
+                fmt(w[v]),
+                fmt(c[v]),
+                fmt(w[v] / w[2]),
+                fmt(c[v] / c[2]),
+            ));
+        }
+    }
+    md.push('\n');
+    md
+}
