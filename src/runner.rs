@@ -371,3 +371,55 @@ pub async fn capture(
         stderr,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::process::CommandExt;
+
+    fn spawn_group_leader() -> std::process::Child {
+        std::process::Command::new("sleep")
+            .arg("300")
+            .process_group(0)
+            .spawn()
+            .unwrap()
+    }
+
+    fn running(child: &mut std::process::Child) -> bool {
+        // Reaping is our job here (we are the parent): a zombie counts as gone.
+        child.try_wait().unwrap().is_none()
+    }
+
+    #[tokio::test]
+    async fn kill_recorded_stops_the_recorded_process_and_spares_a_reused_pid() {
+        let dir = tempfile::tempdir().unwrap();
+        // A group recorded with its leader's real start time: stopped.
+        let mut orphan = spawn_group_leader();
+        let pid = orphan.id();
+        std::fs::write(
+            dir.path().join(pid.to_string()),
+            process_start_time(pid).unwrap(),
+        )
+        .unwrap();
+        // A group whose record carries another start time (the pid was reused): untouched.
+        let mut other = spawn_group_leader();
+        std::fs::write(dir.path().join(other.id().to_string()), "1").unwrap();
+        kill_recorded(dir.path()).await;
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while running(&mut orphan) && std::time::Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        assert!(!running(&mut orphan), "the recorded uploader survived");
+        assert!(
+            running(&mut other),
+            "a process with a reused pid was killed"
+        );
+        assert_eq!(
+            std::fs::read_dir(dir.path()).unwrap().count(),
+            0,
+            "records are consumed"
+        );
+        other.kill().unwrap();
+        other.wait().unwrap();
+    }
+}
