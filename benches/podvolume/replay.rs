@@ -287,11 +287,14 @@ pub fn run(dir: &Path) -> String {
         let mut rows = Vec::new();
         for secs in [1u64, 10] {
             let interval = Duration::from_secs(secs);
-            let fps = 2.0 / secs as f64;
+            // The rate the agent asks restic for at this interval (RESTIC_PROGRESS_FPS).
+            let fps: f64 = podvolume_agent::uploader::restic::progress_fps(interval)
+                .parse()
+                .expect("progress_fps is a number");
             rows.push(method_row(
                 &r,
                 format!("agent {secs} s (restic at {} /s)", fmt(fps)),
-                interval / 2,
+                Duration::from_secs_f64(1.0 / fps),
                 PHASES,
                 &|ph| (agent_writes(&thin(chunks, fps, ph), interval, r.end), 0),
                 false,

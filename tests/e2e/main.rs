@@ -269,8 +269,8 @@ async fn agent_killed_mid_backup_is_rerun_by_the_next_start() {
     agent.signal(Signal::SIGKILL);
     agent.wait(Duration::from_secs(5));
     // Its restic is orphaned in its own process group. It dies at its next write to the closed
-    // pipe (SIGPIPE) unless it is silent; if it is still there, the next agent must stop it.
-    let orphan_alive = !env.uploader_processes().is_empty();
+    // pipe (SIGPIPE), or, if still there when the next agent starts, is stopped by it (that path
+    // is tested directly in runner::tests). Either way none may be left at the end.
     let mut agent2 = env.start_agent(NODE, &[]);
     agent2.wait_ready(LONG).await;
     let done = env
@@ -303,11 +303,6 @@ async fn agent_killed_mid_backup_is_rerun_by_the_next_start() {
         env.uploader_processes().is_empty(),
         "stray: {:?}",
         env.uploader_processes()
-    );
-    assert!(
-        !orphan_alive || agent2.logs().contains("left running by a previous agent"),
-        "the orphan was not stopped by the new agent:\n{}",
-        agent2.logs()
     );
     env.cleanup().await;
 }
