@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs the benchmarks of issue 6 and writes BENCHMARKS.md (the figures the README quotes).
+# Runs the benchmarks and writes BENCHMARKS.md (the figures the README quotes).
 #
 #   scripts/bench.sh            full run (the documented numbers; about 15 minutes on 2 CPUs)
 #   scripts/bench.sh --quick    small sizes and few runs, a fast check that everything works

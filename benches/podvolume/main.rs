@@ -1,4 +1,4 @@
-//! Benchmarks behind the README's performance claims (issue 6). Not a libtest harness: each
+//! Benchmarks behind the README's performance claims. Not a libtest harness: each
 //! subcommand measures one case and writes a Markdown section; `scripts/bench.sh` runs them all
 //! and assembles `BENCHMARKS.md`.
 //!
