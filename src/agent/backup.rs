@@ -80,7 +80,7 @@ async fn reconcile_inner(pvb: Arc<PodVolumeBackup>, ctx: Arc<Context>) -> Result
         },
         _ => (*pvb).clone(),
     };
-    submit(&ctx, pvb);
+    transfer::submit(&ctx, pvb, OperationKind::Backup, run);
     Ok(Action::await_change())
 }
 
@@ -139,29 +139,6 @@ async fn cancel_now(
         .await;
     }
     Ok(())
-}
-
-fn submit(ctx: &Arc<Context>, pvb: PodVolumeBackup) {
-    let uid = pvb.uid().unwrap_or_default();
-    let order = transfer::queue_order(
-        pvb.status
-            .as_ref()
-            .and_then(|s| s.accepted_timestamp.as_ref()),
-        pvb.metadata.creation_timestamp.as_ref(),
-    );
-    let ctx2 = Arc::clone(ctx);
-    let ns = pvb.namespace().unwrap_or_default();
-    let name = pvb.name_any();
-    ctx.registry.submit(
-        &uid,
-        OperationKind::Backup,
-        &ns,
-        &name,
-        order,
-        Box::new(move |token| Box::pin(async move { run(ctx2, pvb, token).await })),
-    );
-    ctx.metrics
-        .set_operations(ctx.registry.running(), ctx.registry.queued());
 }
 
 /// The backup, from its slot to its terminal write.

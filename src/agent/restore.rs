@@ -100,7 +100,7 @@ async fn reconcile_inner(pvr: Arc<PodVolumeRestore>, ctx: Arc<Context>) -> Resul
         },
         _ => (*pvr).clone(),
     };
-    submit(&ctx, pvr);
+    transfer::submit(&ctx, pvr, OperationKind::Restore, run);
     Ok(Action::await_change())
 }
 
@@ -154,29 +154,6 @@ async fn cancel_now(ctx: &Context, pvr: &PodVolumeRestore, reason: CancelReason)
         )
         .await;
     }
-}
-
-fn submit(ctx: &Arc<Context>, pvr: PodVolumeRestore) {
-    let uid = pvr.uid().unwrap_or_default();
-    let order = transfer::queue_order(
-        pvr.status
-            .as_ref()
-            .and_then(|s| s.accepted_timestamp.as_ref()),
-        pvr.metadata.creation_timestamp.as_ref(),
-    );
-    let ctx2 = Arc::clone(ctx);
-    let ns = pvr.namespace().unwrap_or_default();
-    let name = pvr.name_any();
-    ctx.registry.submit(
-        &uid,
-        OperationKind::Restore,
-        &ns,
-        &name,
-        order,
-        Box::new(move |token| Box::pin(async move { run(ctx2, pvr, token).await })),
-    );
-    ctx.metrics
-        .set_operations(ctx.registry.running(), ctx.registry.queued());
 }
 
 /// The owning Restore's UID names the done-file.

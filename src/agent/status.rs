@@ -14,6 +14,7 @@ use std::fmt::Debug;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::api::{Patch, PatchParams};
 use kube::{Api, Resource};
 use serde::de::DeserializeOwned;
@@ -30,10 +31,17 @@ pub trait VolumeObject:
     /// The operation name in metrics: `backup` or `restore`.
     const OPERATION: &'static str;
     fn phase(&self) -> Phase;
+    /// When the object was claimed (orders the queue).
+    fn accepted_timestamp(&self) -> Option<&Time>;
     fn cancel_requested(&self) -> bool;
 }
 
 impl VolumeObject for PodVolumeBackup {
+    fn accepted_timestamp(&self) -> Option<&Time> {
+        self.status
+            .as_ref()
+            .and_then(|s| s.accepted_timestamp.as_ref())
+    }
     const KIND: &'static str = "PodVolumeBackup";
     const OPERATION: &'static str = "backup";
     fn phase(&self) -> Phase {
@@ -48,6 +56,11 @@ impl VolumeObject for PodVolumeBackup {
 }
 
 impl VolumeObject for PodVolumeRestore {
+    fn accepted_timestamp(&self) -> Option<&Time> {
+        self.status
+            .as_ref()
+            .and_then(|s| s.accepted_timestamp.as_ref())
+    }
     const KIND: &'static str = "PodVolumeRestore";
     const OPERATION: &'static str = "restore";
     fn phase(&self) -> Phase {

@@ -3,7 +3,6 @@
 
 use std::time::{Duration, Instant};
 
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::runtime::events::{Event, EventType};
 use kube::{Resource, ResourceExt};
 use serde_json::{Value, json};
@@ -313,12 +312,36 @@ pub async fn end<K: VolumeObject>(
     );
 }
 
-/// Queue order: when the object was accepted (else created); oldest first.
-pub fn queue_order(accepted: Option<&Time>, created: Option<&Time>) -> std::time::SystemTime {
-    accepted
-        .or(created)
+/// Queues a transfer in the registry; it runs when a slot is free, the object accepted (else
+/// created) first.
+pub fn submit<K, F, Fut>(
+    ctx: &std::sync::Arc<Context>,
+    obj: K,
+    kind: super::registry::OperationKind,
+    run: F,
+) where
+    K: VolumeObject,
+    F: FnOnce(std::sync::Arc<Context>, K, CancellationToken) -> Fut + Send + 'static,
+    Fut: Future<Output = ()> + Send + 'static,
+{
+    let order = obj
+        .accepted_timestamp()
+        .or(obj.meta().creation_timestamp.as_ref())
         .map(|t| std::time::SystemTime::from(t.0))
-        .unwrap_or_else(std::time::SystemTime::now)
+        .unwrap_or_else(std::time::SystemTime::now);
+    let uid = obj.uid().unwrap_or_default();
+    let (ns, name) = (obj.namespace().unwrap_or_default(), obj.name_any());
+    let ctx2 = std::sync::Arc::clone(ctx);
+    ctx.registry.submit(
+        &uid,
+        kind,
+        &ns,
+        &name,
+        order,
+        Box::new(move |token| Box::pin(run(ctx2, obj, token))),
+    );
+    ctx.metrics
+        .set_operations(ctx.registry.running(), ctx.registry.queued());
 }
 
 /// The metric result and bytes of a saved terminal status (reported after a restart).

@@ -15,6 +15,7 @@ use k8s_openapi::api::core::v1::{Namespace, Pod};
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
 use kube::runtime::watcher;
 use kube::{Api, Client, Resource, ResourceExt};
+use podvolume_agent::agent::status::VolumeObject;
 use podvolume_agent::crd::{Phase, PodVolumeBackup, PodVolumeRestore};
 use podvolume_testbed::TestApiServer;
 use serde_json::json;
@@ -312,26 +313,7 @@ impl Env {
         phases: &[Phase],
         timeout: Duration,
     ) -> PodVolumeBackup {
-        let deadline = Instant::now() + timeout;
-        loop {
-            if let Ok(o) = self.pvbs().get(name).await {
-                let p = o
-                    .status
-                    .as_ref()
-                    .and_then(|s| s.phase)
-                    .unwrap_or(Phase::New);
-                if phases.contains(&p) {
-                    return o;
-                }
-                assert!(
-                    Instant::now() < deadline,
-                    "{name} stuck in {p:?}: {:?}",
-                    o.status
-                );
-            }
-            assert!(Instant::now() < deadline, "{name} not found in time");
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+        wait_phase(self.pvbs(), name, phases, timeout).await
     }
 
     pub async fn wait_pvr(
@@ -340,25 +322,7 @@ impl Env {
         phases: &[Phase],
         timeout: Duration,
     ) -> PodVolumeRestore {
-        let deadline = Instant::now() + timeout;
-        loop {
-            if let Ok(o) = self.pvrs().get(name).await {
-                let p = o
-                    .status
-                    .as_ref()
-                    .and_then(|s| s.phase)
-                    .unwrap_or(Phase::New);
-                if phases.contains(&p) {
-                    return o;
-                }
-                assert!(
-                    Instant::now() < deadline,
-                    "{name} stuck in {p:?}: {:?}",
-                    o.status
-                );
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+        wait_phase(self.pvrs(), name, phases, timeout).await
     }
 
     /// Records every version of one object as the API server serves it (a watch).
@@ -549,6 +513,30 @@ async fn ensure_crds(client: &Client) {
             crds.create(&PostParams::default(), &crd).await.unwrap();
             tokio::time::sleep(Duration::from_secs(2)).await;
         }
+    }
+}
+
+async fn wait_phase<K: VolumeObject>(
+    api: Api<K>,
+    name: &str,
+    phases: &[Phase],
+    timeout: Duration,
+) -> K {
+    let deadline = Instant::now() + timeout;
+    loop {
+        match api.get(name).await {
+            Ok(o) if phases.contains(&o.phase()) => return o,
+            Ok(o) => assert!(
+                Instant::now() < deadline,
+                "{name} stuck in {:?}: {o:?}",
+                o.phase()
+            ),
+            Err(e) => assert!(
+                Instant::now() < deadline,
+                "{name} not readable in time: {e}"
+            ),
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
 
