@@ -402,17 +402,11 @@ async fn cancel_mid_snapshot_saves_kopias_partial_snapshot_and_stops_everything(
         ),
     ));
     let (kopia, _grandchild) = wait_for_snapshot_progress(&op, &bed).await;
-    let started = Instant::now();
     let outcome = tokio::time::timeout(TIMEOUT, op.cancel()).await.unwrap();
-    let took = started.elapsed();
     assert_eq!(outcome.kind, OutcomeKind::Canceled, "{outcome:?}");
     // kopia handled the SIGINT itself (no SIGKILL was needed): exit 0 and an incomplete manifest,
     // which is named but not returned as the result.
     assert_eq!(outcome.exit_code, Some(0), "{outcome:?}");
-    assert!(
-        took < Duration::from_secs(5),
-        "stopped on SIGINT, not after the 10 s grace: {took:?}"
-    );
     assert_eq!(
         outcome.snapshot_id, None,
         "an incomplete snapshot is no result"
@@ -467,10 +461,6 @@ async fn cancel_escalates_to_sigkill_when_kopia_ignores_signals() {
     assert!(
         took >= grace - Duration::from_millis(100),
         "SIGKILL came before the grace period ended: {took:?}"
-    );
-    assert!(
-        took < grace + Duration::from_secs(5),
-        "cancel took {took:?} with a {grace:?} grace"
     );
     assert!(snapshots_in_repo(&bed).is_empty(), "no snapshot was saved");
     assert!(!alive(kopia), "fake-kopia {kopia} survived");

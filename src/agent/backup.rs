@@ -10,7 +10,7 @@ use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
 
 use super::registry::{CancelReason, CancelResult, OperationKind};
-use super::status::{ObjectWriter, VolumeObject, WriteError, now_rfc3339};
+use super::status::{Finalizer, ObjectWriter, VolumeObject, WriteError, now_rfc3339};
 use super::transfer::{self, end, event, finish, monitor, saved_outcome, terminal_phase};
 use super::{Context, Error, volume};
 use crate::crd::{ATTEMPTS_ANNOTATION, Phase, PodVolumeBackup};
@@ -88,15 +88,12 @@ async fn reconcile_inner(pvb: Arc<PodVolumeBackup>, ctx: Arc<Context>) -> Result
 async fn claim(ctx: &Context, pvb: &PodVolumeBackup) -> Result<Option<PodVolumeBackup>, Error> {
     let mut w = writer(ctx, pvb);
     let status = json!({ "phase": Phase::Accepted.as_str(), "acceptedTimestamp": now_rfc3339(), "message": "accepted by node agent, waiting for a slot" });
-    let meta = transfer::claim_metadata(pvb);
     // Finalizer first (main object), then status: a crash in between leaves an object we still
     // pick up (New with our finalizer), never an Accepted one a deletion would not cancel.
-    if let Some(meta) = meta {
-        match w.write(None, Some(meta)).await {
-            Ok(_) => {}
-            Err(WriteError::Gone) => return Ok(None),
-            Err(e) => return Err(Error::Write(e)),
-        }
+    match w.set_finalizer(Finalizer::Add).await {
+        Ok(_) => {}
+        Err(WriteError::Gone) => return Ok(None),
+        Err(e) => return Err(Error::Write(e)),
     }
     match w.write(Some(status), None).await {
         Ok(o) => {

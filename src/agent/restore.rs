@@ -11,7 +11,7 @@ use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
 
 use super::registry::{CancelReason, CancelResult, OperationKind};
-use super::status::{ObjectWriter, VolumeObject, WriteError, now_rfc3339};
+use super::status::{Finalizer, ObjectWriter, VolumeObject, WriteError, now_rfc3339};
 use super::transfer::{self, end, event, finish, monitor, saved_outcome, terminal_phase};
 use super::{Context, Error, volume};
 use crate::crd::{ATTEMPTS_ANNOTATION, Phase, PodVolumeRestore};
@@ -106,12 +106,10 @@ async fn reconcile_inner(pvr: Arc<PodVolumeRestore>, ctx: Arc<Context>) -> Resul
 
 async fn claim(ctx: &Context, pvr: &PodVolumeRestore) -> Result<Option<PodVolumeRestore>, Error> {
     let mut w = writer(ctx, pvr);
-    if let Some(meta) = transfer::claim_metadata(pvr) {
-        match w.write(None, Some(meta)).await {
-            Ok(_) => {}
-            Err(WriteError::Gone) => return Ok(None),
-            Err(e) => return Err(Error::Write(e)),
-        }
+    match w.set_finalizer(Finalizer::Add).await {
+        Ok(_) => {}
+        Err(WriteError::Gone) => return Ok(None),
+        Err(e) => return Err(Error::Write(e)),
     }
     let status = json!({
         "phase": Phase::Accepted.as_str(),

@@ -101,7 +101,18 @@ pub struct ObjectWriter<K: VolumeObject> {
     name: String,
     subresource: bool,
     resource_version: Option<String>,
+    /// The object's finalizers at `resource_version`: a finalizer change is computed from them on
+    /// every attempt, so a retry after a conflict never drops a finalizer someone else added.
+    finalizers: Vec<String>,
     metrics: Arc<Metrics>,
+}
+
+/// What a write does to our finalizer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Finalizer {
+    Keep,
+    Add,
+    Remove,
 }
 
 const CONFLICT_RETRIES: u32 = 8;
@@ -113,7 +124,43 @@ impl<K: VolumeObject> ObjectWriter<K> {
             name: obj.meta().name.clone().unwrap_or_default(),
             subresource,
             resource_version: obj.meta().resource_version.clone(),
+            finalizers: obj.meta().finalizers.clone().unwrap_or_default(),
             metrics,
+        }
+    }
+
+    fn seen(&mut self, o: &K) {
+        self.resource_version = o.meta().resource_version.clone();
+        self.finalizers = o.meta().finalizers.clone().unwrap_or_default();
+    }
+
+    /// `metadata.finalizers` after `change`, or `None` when it changes nothing.
+    fn finalizers_after(&self, change: Finalizer) -> Option<Value> {
+        let has = self.finalizers.iter().any(|f| f == FINALIZER);
+        let next: Vec<&String> = match (change, has) {
+            (Finalizer::Add, false) => self.finalizers.iter().collect(),
+            (Finalizer::Remove, true) => {
+                self.finalizers.iter().filter(|f| *f != FINALIZER).collect()
+            }
+            _ => return None,
+        };
+        let mut next: Vec<Value> = next.into_iter().map(|f| Value::String(f.clone())).collect();
+        if change == Finalizer::Add {
+            next.push(Value::String(FINALIZER.to_string()));
+        }
+        Some(json!({ "finalizers": next }))
+    }
+
+    /// The terminal write: the result and the removal of our finalizer. With status on the main
+    /// object (Velero's CRDs) this is one patch, so nobody ever sees the result with our finalizer
+    /// still on; with a status subresource it takes two requests, the result first, so a deletion
+    /// can never remove the object before its result is written.
+    pub async fn write_result(&mut self, status: Value) -> Result<K, WriteError> {
+        if self.subresource {
+            self.write_with(Some(status), None, Finalizer::Keep).await?;
+            self.write_with(None, None, Finalizer::Remove).await
+        } else {
+            self.write_with(Some(status), None, Finalizer::Remove).await
         }
     }
 
@@ -125,7 +172,7 @@ impl<K: VolumeObject> ObjectWriter<K> {
     pub async fn refresh(&mut self) -> Result<K, WriteError> {
         match self.api.get(&self.name).await {
             Ok(o) => {
-                self.resource_version = o.meta().resource_version.clone();
+                self.seen(&o);
                 Ok(o)
             }
             Err(e) if is_status(&e, 404) => Err(WriteError::Gone),
@@ -140,8 +187,29 @@ impl<K: VolumeObject> ObjectWriter<K> {
         status: Option<Value>,
         metadata: Option<Value>,
     ) -> Result<K, WriteError> {
+        self.write_with(status, metadata, Finalizer::Keep).await
+    }
+
+    /// Adds or removes our finalizer (alone, on the main object).
+    pub async fn set_finalizer(&mut self, change: Finalizer) -> Result<K, WriteError> {
+        self.write_with(None, None, change).await
+    }
+
+    async fn write_with(
+        &mut self,
+        status: Option<Value>,
+        metadata: Option<Value>,
+        finalizer: Finalizer,
+    ) -> Result<K, WriteError> {
         let mut attempt = 0;
         loop {
+            let mut metadata = metadata.clone();
+            if let Some(Value::Object(f)) = self.finalizers_after(finalizer) {
+                match &mut metadata {
+                    Some(Value::Object(m)) => m.extend(f),
+                    _ => metadata = Some(Value::Object(f)),
+                }
+            }
             match self.try_write(status.as_ref(), metadata.as_ref()).await {
                 Ok(o) => return Ok(o),
                 Err(e) if is_status(&e, 409) && attempt < CONFLICT_RETRIES => {
@@ -178,7 +246,7 @@ impl<K: VolumeObject> ObjectWriter<K> {
                         &Patch::Merge(json!({ "metadata": meta })),
                     ))
                     .await?;
-                self.resource_version = o.meta().resource_version.clone();
+                self.seen(&o);
                 last = Some(o);
             }
             if let Some(status) = status {
@@ -186,7 +254,7 @@ impl<K: VolumeObject> ObjectWriter<K> {
                 let o = self
                     .timed(self.api.patch_status(&self.name, &pp, &Patch::Merge(body)))
                     .await?;
-                self.resource_version = o.meta().resource_version.clone();
+                self.seen(&o);
                 last = Some(o);
             }
         } else {
@@ -197,7 +265,7 @@ impl<K: VolumeObject> ObjectWriter<K> {
             let o = self
                 .timed(self.api.patch(&self.name, &pp, &Patch::Merge(body)))
                 .await?;
-            self.resource_version = o.meta().resource_version.clone();
+            self.seen(&o);
             last = Some(o);
         }
         match last {
@@ -221,21 +289,6 @@ impl<K: VolumeObject> ObjectWriter<K> {
         self.metrics.status_write(result, start.elapsed());
         r
     }
-}
-
-/// `metadata.finalizers` with ours added or removed, or `None` when nothing changes.
-pub fn finalizers_with(obj: &impl Resource, present: bool) -> Option<Value> {
-    let current = obj.meta().finalizers.clone().unwrap_or_default();
-    let has = current.iter().any(|f| f == FINALIZER);
-    if has == present {
-        return None;
-    }
-    let next: Vec<String> = if present {
-        current.into_iter().chain([FINALIZER.to_string()]).collect()
-    } else {
-        current.into_iter().filter(|f| f != FINALIZER).collect()
-    };
-    Some(json!({ "finalizers": next }))
 }
 
 /// RFC 3339 "now" as Kubernetes writes timestamps (seconds, UTC).

@@ -3,15 +3,15 @@
 
 use std::time::{Duration, Instant};
 
+use kube::ResourceExt;
 use kube::runtime::events::{Event, EventType};
-use kube::{Resource, ResourceExt};
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
 
 use super::Context;
 use super::registry::CancelReason;
 use super::state::StoredResult;
-use super::status::{ObjectWriter, VolumeObject, WriteError, finalizers_with, now_rfc3339};
+use super::status::{Finalizer, ObjectWriter, VolumeObject, WriteError, now_rfc3339};
 use crate::crd::Phase;
 use crate::operation::Operation;
 use crate::progress::OperationProgress;
@@ -196,9 +196,9 @@ pub fn reason_text(ctx: &Context, reason: CancelReason) -> String {
     }
 }
 
-/// Writes the terminal status (one write with every result), durably: it is saved in the state
-/// dir first and retried with backoff while the API server is unreachable; then our finalizer is
-/// removed. Returns whether the result reached the server.
+/// Writes the terminal status (one write with every result, our finalizer removed with it),
+/// durably: it is saved in the state dir first and retried with backoff while the API server is
+/// unreachable. Returns whether the result reached the server.
 pub async fn finish<K: VolumeObject>(
     ctx: &Context,
     obj: &K,
@@ -221,45 +221,35 @@ pub async fn finish<K: VolumeObject>(
         tracing::warn!(error = %e, "could not save the result in the state dir");
     }
     let mut backoff = Duration::from_millis(500);
-    let written = loop {
-        match writer.write(Some(status.clone()), None).await {
-            Ok(_) => break true,
+    loop {
+        match writer.write_result(status.clone()).await {
+            Ok(_) | Err(WriteError::Gone) => break,
             Err(WriteError::Terminal(phase)) => {
                 tracing::warn!(
                     ?phase,
                     "the object already has a result; ours is not written over it"
                 );
-                break true;
+                remove_finalizer(writer).await;
+                break;
             }
-            Err(WriteError::Gone) => break true,
             Err(e) => {
                 tracing::warn!(error = %e, retry_in = ?backoff, "terminal status write failed; retrying");
                 tokio::select! {
                     _ = tokio::time::sleep(backoff) => {}
-                    _ = shutdown.cancelled() => break false,
+                    _ = shutdown.cancelled() => return false,
                 }
                 backoff = (backoff * 2).min(Duration::from_secs(30));
             }
         }
-    };
-    if written {
-        ctx.state.remove(&uid);
-        remove_finalizer(writer).await;
     }
-    written
+    ctx.state.remove(&uid);
+    true
 }
 
-/// Removes our finalizer, re-reading the object so other finalizers are kept.
+/// Removes our finalizer; the writer's conflict handling keeps other finalizers.
 pub async fn remove_finalizer<K: VolumeObject>(writer: &mut ObjectWriter<K>) {
     for _ in 0..5 {
-        let fresh = match writer.refresh().await {
-            Ok(o) => o,
-            Err(_) => return,
-        };
-        let Some(meta) = finalizers_with(&fresh, false) else {
-            return;
-        };
-        match writer.write(None, Some(meta)).await {
+        match writer.set_finalizer(Finalizer::Remove).await {
             Ok(_) | Err(WriteError::Gone) => return,
             Err(e) => {
                 tracing::warn!(error = %e, "could not remove the finalizer; retrying");
@@ -360,9 +350,4 @@ pub fn saved_outcome(status: &Value) -> (&'static str, u64) {
 /// `started` for the latency metric.
 pub fn since(start: Instant) -> Duration {
     start.elapsed()
-}
-
-/// The object's metadata after a claim: our finalizer present.
-pub fn claim_metadata(obj: &impl Resource) -> Option<Value> {
-    finalizers_with(obj, true)
 }

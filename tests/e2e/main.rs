@@ -19,6 +19,12 @@ fn status(p: &PodVolumeBackup) -> &podvolume_agent::crd::PodVolumeBackupStatus {
     p.status.as_ref().expect("status")
 }
 
+fn has_our_finalizer(p: &PodVolumeBackup) -> bool {
+    p.finalizers()
+        .iter()
+        .any(|f| f == podvolume_agent::crd::FINALIZER)
+}
+
 fn progress_of(p: &PodVolumeBackup) -> (i64, i64) {
     let pr = status(p).progress.clone().unwrap_or_default();
     (pr.bytes_done, pr.total_bytes)
@@ -69,13 +75,22 @@ async fn backup_with_progress(flavour: Flavour) {
         "{:?}",
         st.path
     );
-    assert!(
-        !done
-            .finalizers()
-            .iter()
-            .any(|f| f == podvolume_agent::crd::FINALIZER),
-        "finalizer left on a finished object"
-    );
+    match flavour {
+        // Status lives on the main object: result and finalizer removal are one write.
+        Flavour::Velero => assert!(!has_our_finalizer(&done), "finalizer left on the result"),
+        // Status subresource: two requests, the result first; the finalizer follows.
+        Flavour::Ours => {
+            let deadline = std::time::Instant::now() + Duration::from_secs(10);
+            while has_our_finalizer(&env.pvbs().get("pvb-1").await.unwrap()) {
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "finalizer left on a finished object\n{}",
+                    agent.logs()
+                );
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
     // The watch saw the object move: intermediate progress, never backwards, never over total.
     tokio::time::sleep(Duration::from_millis(300)).await;
     let versions = rec.versions();
@@ -89,6 +104,14 @@ async fn backup_with_progress(flavour: Flavour) {
             .map(|p| (p.bytes_done, p.total_bytes))
             .unwrap_or((0, 0));
         assert!(d >= last, "bytesDone went down: {versions:#?}");
+        if flavour == Flavour::Velero
+            && v.status
+                .as_ref()
+                .and_then(|s| s.phase)
+                .is_some_and(|p| p.is_terminal())
+        {
+            assert!(!has_our_finalizer(v), "a result with our finalizer on");
+        }
         assert!(d <= t || t == 0, "bytesDone > totalBytes");
         if d > 0 && d < total as i64 {
             intermediate += 1;
@@ -172,7 +195,6 @@ async fn cancel_mid_backup_stops_restic_and_ends_canceled() {
     let env = Env::new(Flavour::Velero).await;
     let (agent, _) = running_backup(&env, "pvb-cancel", &[]).await;
     let rec = env.record(env.pvbs(), "pvb-cancel");
-    let t = std::time::Instant::now();
     env.cancel_pvb("pvb-cancel").await;
     let done = env
         .wait_pvb(
@@ -181,11 +203,9 @@ async fn cancel_mid_backup_stops_restic_and_ends_canceled() {
             LONG,
         )
         .await;
-    let took = t.elapsed();
+    // How fast is measured by the benchmark (case 4b), not asserted here.
     let st = status(&done);
     assert_eq!(st.phase, Some(Phase::Canceled), "{st:?}\n{}", agent.logs());
-    // --cancel-grace=3s (harness) + 2 s, plus this test's polling.
-    assert!(took < Duration::from_millis(5500), "cancel took {took:?}");
     assert!(
         env.uploader_processes().is_empty(),
         "{:?}",
@@ -196,12 +216,7 @@ async fn cancel_mid_backup_stops_restic_and_ends_canceled() {
         "locks left: {:?}",
         env.restic_locks()
     );
-    assert!(
-        !done
-            .finalizers()
-            .iter()
-            .any(|f| f == podvolume_agent::crd::FINALIZER)
-    );
+    assert!(!has_our_finalizer(&done), "finalizer left on the result");
     assert_eq!(done.spec.cancel, Some(true), "spec.cancel must survive");
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert!(
