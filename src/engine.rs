@@ -281,6 +281,7 @@ impl Engine {
         let parse = move |_s: Stream, l: &[u8]| parser.parse(l);
         let mut initialised = false;
         let mut unlocked = false;
+        let mut parent = req.options.parent.clone();
         let lock_deadline = Instant::now() + self.cfg.lock_wait;
         let mut backoff = Duration::from_secs(2);
         loop {
@@ -289,6 +290,7 @@ impl Engine {
             }
             lock(&tracking).facts = RunFacts::default();
             let mut opts = req.options.clone();
+            opts.parent = parent.clone();
             if opts.retry_lock.is_none() && version.has_retry_lock() {
                 opts.retry_lock = Some(self.cfg.lock_wait);
             }
@@ -323,6 +325,21 @@ impl Engine {
                     tracing::info!(cause = %outcome.message, "repository is locked; removing stale locks and retrying");
                     self.restic_unlock(&req.access).await;
                     unlocked = true;
+                }
+                // The parent only saves reading unchanged files; a parent that is no longer in
+                // the repository (pruned by `restic forget`, or a PodVolumeBackup pointing at
+                // another repository) must not fail the backup: run again without it.
+                OutcomeKind::Failed
+                    if parent
+                        .as_deref()
+                        .is_some_and(|p| restic::is_unknown_snapshot(&outcome.message, p)) =>
+                {
+                    tracing::warn!(
+                        parent = parent.as_deref().unwrap_or_default(),
+                        cause = %outcome.message,
+                        "the parent snapshot is not in the repository; backing up without a parent (every file is read)"
+                    );
+                    parent = None;
                 }
                 // restic >= 0.16 waits itself (--retry-lock); older ones are retried here.
                 OutcomeKind::Locked

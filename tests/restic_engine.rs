@@ -108,6 +108,27 @@ async fn incremental_backup_with_a_parent_does_not_read_unchanged_files() {
     assert_ne!(second.snapshot_id, first.snapshot_id);
 }
 
+/// A parent that is no longer in the repository (pruned, or another repository's) costs a full
+/// read, never the backup.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_parent_missing_from_the_repository_falls_back_to_a_full_backup() {
+    let bed = Bed::new();
+    let total = fill_source(&bed, 2, 10);
+    bed.init_repo();
+    let engine = engine(Duration::from_millis(500));
+    let mut req = backup_request(&bed);
+    req.options.parent = Some("fc540c27".to_string());
+    let outcome = engine.backup(req).wait().await;
+    assert_eq!(outcome.kind, OutcomeKind::Success, "{outcome:?}");
+    let s = outcome.summary.clone().unwrap();
+    assert_eq!((s.total_bytes, s.files_unmodified), (total, 0), "{s:?}");
+    let snaps = bed.restic(&["snapshots", "--json"]);
+    assert!(
+        String::from_utf8_lossy(&snaps.stdout).contains(outcome.snapshot_id.as_deref().unwrap())
+    );
+    assert!(bed.locks().is_empty());
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unreadable_files_give_a_partial_outcome_with_the_snapshot_and_the_items() {
     let bed = Bed::new();

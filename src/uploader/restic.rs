@@ -631,9 +631,23 @@ pub fn relative_item(item: &str, volume: &Path) -> String {
         .unwrap_or_else(|_| item.to_string())
 }
 
+/// Whether restic's error says snapshot `id` does not exist in the repository
+/// (`invalid id "<id>": no matching ID found for prefix "<id>"`, all versions to date).
+pub fn is_unknown_snapshot(message: &str, id: &str) -> bool {
+    message.contains("no matching ID found") && message.contains(id)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_unknown_parent_is_recognised_only_for_that_id() {
+        let m = r#"Fatal: invalid id "fc540c27": no matching ID found for prefix "fc540c27""#;
+        assert!(is_unknown_snapshot(m, "fc540c27"));
+        assert!(!is_unknown_snapshot(m, "0badc0de"));
+        assert!(!is_unknown_snapshot("Fatal: wrong password", "fc540c27"));
+    }
 
     #[test]
     fn progress_rate_is_two_per_interval_but_at_least_one_a_second() {
