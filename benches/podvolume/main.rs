@@ -4,6 +4,7 @@
 //!
 //! `cargo bench --bench podvolume -- <subcommand> [options]` (cargo adds `--bench`, ignored).
 
+mod agent;
 mod cancel;
 mod overhead;
 mod parser;
@@ -81,6 +82,28 @@ enum Cmd {
         #[arg(long)]
         out: PathBuf,
     },
+    /// Cases 4b and 5: cancel latency through the API and memory at scale, the agent binary
+    /// against the API server stand-in.
+    Agent {
+        #[arg(long, default_value = "restic")]
+        restic: PathBuf,
+        #[arg(long)]
+        agent: PathBuf,
+        #[arg(long)]
+        work: PathBuf,
+        #[arg(long, default_value_t = 10)]
+        cancel_runs: usize,
+        /// PodVolumeBackups of other nodes in the watched namespace.
+        #[arg(long, default_value_t = 10_000)]
+        objects: usize,
+        /// Backups running at once for the per-operation figure.
+        #[arg(long, default_value_t = 4)]
+        running: usize,
+        #[arg(long)]
+        quick: bool,
+        #[arg(long)]
+        out: PathBuf,
+    },
 }
 
 fn main() {
@@ -110,6 +133,27 @@ fn main() {
             runs,
             out,
         } => write(&out, &cancel::run(&restic, &work, runs)),
+        Cmd::Agent {
+            restic,
+            agent,
+            work,
+            cancel_runs,
+            objects,
+            running,
+            quick,
+            out,
+        } => write(
+            &out,
+            &agent::run(&agent::Options {
+                restic: &restic,
+                agent: &agent,
+                work: &work,
+                cancel_runs,
+                objects,
+                running,
+                quick,
+            }),
+        ),
     }
 }
 

@@ -305,16 +305,55 @@ async fn prepare(ctx: &Context, pvb: &PodVolumeBackup) -> Result<Prepared, Strin
     })
 }
 
-/// The snapshot of the most recent Completed backup of the same claim and storage location, as
-/// Velero chose the parent. Read from the watch cache: no API call.
+/// What the watch cache keeps of each PodVolumeBackup. This node's are kept whole (only
+/// `managedFields` go); of other nodes' only what [`parent_snapshot`] reads, so thousands of
+/// finished backups of the whole cluster cost little memory.
+pub fn slim_for(node: String) -> impl FnMut(&mut PodVolumeBackup) + Send + 'static {
+    move |o| {
+        o.metadata.managed_fields = None;
+        if o.spec.node == node {
+            return;
+        }
+        let m = &mut o.metadata;
+        m.annotations = None;
+        m.owner_references = None;
+        m.finalizers = None;
+        if let Some(labels) = &mut m.labels {
+            labels.retain(|k, _| k == PVC_UID_LABEL);
+        }
+        o.spec.pod = Default::default();
+        o.spec.volume = String::new();
+        o.spec.repo_identifier = String::new();
+        o.spec.tags = None;
+        o.spec.uploader_settings = None;
+        if let Some(st) = &mut o.status {
+            st.path = None;
+            st.message = None;
+            st.start_timestamp = None;
+            st.accepted_timestamp = None;
+            st.progress = None;
+            st.incremental_bytes = None;
+        }
+    }
+}
+
+/// The snapshot of the most recent Completed backup of the same claim, storage location and
+/// uploader, as Velero chose the parent. Read from the watch cache: no API call.
 pub fn parent_snapshot(ctx: &Context, pvb: &PodVolumeBackup) -> Option<String> {
+    parent_among(ctx.pvb_store.state(), pvb)
+}
+
+fn parent_among(
+    known: impl IntoIterator<Item = Arc<PodVolumeBackup>>,
+    pvb: &PodVolumeBackup,
+) -> Option<String> {
     let pvc_uid = pvb.labels().get(PVC_UID_LABEL)?.clone();
-    ctx.pvb_store
-        .state()
+    known
         .into_iter()
         .filter(|o| {
             o.labels().get(PVC_UID_LABEL) == Some(&pvc_uid)
                 && o.spec.backup_storage_location == pvb.spec.backup_storage_location
+                && o.spec.uploader_type == pvb.spec.uploader_type
                 && o.phase() == Phase::Completed
                 && o.uid() != pvb.uid()
         })
@@ -325,4 +364,75 @@ pub fn parent_snapshot(ctx: &Context, pvb: &PodVolumeBackup) -> Option<String> {
         })
         .max_by_key(|(t, _)| *t)
         .map(|(_, id)| id)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn pvb(name: &str, node: &str, pvc: &str, done: &str, snapshot: &str) -> PodVolumeBackup {
+        serde_json::from_value(json!({
+            "apiVersion": "velero.io/v1", "kind": "PodVolumeBackup",
+            "metadata": {
+                "name": name, "namespace": "velero", "uid": format!("uid-{name}"),
+                "labels": {PVC_UID_LABEL: pvc, "velero.io/backup-name": "b"},
+                "annotations": {"a": "b"},
+                "managedFields": [{"manager": "velero-server", "operation": "Update"}],
+            },
+            "spec": {
+                "node": node, "volume": "data", "backupStorageLocation": "default",
+                "repoIdentifier": "s3:s3.example/bucket/ns", "tags": {"pod": "app"},
+                "pod": {"kind": "Pod", "namespace": "app", "name": "app-0", "uid": "p"},
+            },
+            "status": {
+                "phase": "Completed", "snapshotID": snapshot, "completionTimestamp": done,
+                "message": "", "path": "/host_pods/p/volumes/x/data",
+                "progress": {"totalBytes": 10, "bytesDone": 10},
+            },
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn slimming_keeps_this_nodes_objects_whole_and_every_parent_choice() {
+        let mut slim = slim_for("node-a".into());
+        let mut own = pvb("own", "node-a", "pvc-1", "2026-12-01T01:00:00Z", "aaaa1111");
+        let whole = own.clone();
+        slim(&mut own);
+        assert!(own.metadata.managed_fields.is_none());
+        own.metadata.managed_fields = whole.metadata.managed_fields.clone();
+        assert_eq!(
+            serde_json::to_value(&own).unwrap(),
+            serde_json::to_value(&whole).unwrap(),
+            "this node's objects are kept whole"
+        );
+
+        let known: Vec<_> = [
+            pvb("old", "node-b", "pvc-1", "2026-12-01T01:00:00Z", "0ld00000"),
+            pvb("new", "node-c", "pvc-1", "2026-12-01T02:00:00Z", "4e300000"),
+            pvb(
+                "other-claim",
+                "node-b",
+                "pvc-2",
+                "2026-12-01T03:00:00Z",
+                "0th00000",
+            ),
+        ]
+        .into_iter()
+        .collect();
+        let next = pvb("next", "node-a", "pvc-1", "2026-12-02T01:00:00Z", "");
+        let full: Vec<_> = known.iter().cloned().map(Arc::new).collect();
+        let slimmed: Vec<_> = known
+            .into_iter()
+            .map(|mut o| {
+                slim(&mut o);
+                assert!(o.spec.tags.is_none() && o.metadata.annotations.is_none());
+                assert!(o.status.as_ref().unwrap().path.is_none());
+                Arc::new(o)
+            })
+            .collect();
+        assert_eq!(parent_among(full, &next).as_deref(), Some("4e300000"));
+        assert_eq!(parent_among(slimmed, &next).as_deref(), Some("4e300000"));
+    }
 }

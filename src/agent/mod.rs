@@ -218,7 +218,13 @@ async fn log_controller_result<T: std::fmt::Debug, E: std::fmt::Display>(r: Resu
 }
 
 /// A controller over a watch whose first complete list sets `synced`.
-fn controller_for<K>(api: Api<K>, synced: Arc<AtomicBool>) -> (Controller<K>, Store<K>)
+/// `slim` trims each object before it is cached: the cache holds every object of the namespace,
+/// most of them other nodes', and is most of the agent's memory on a busy cluster.
+fn controller_for<K>(
+    api: Api<K>,
+    synced: Arc<AtomicBool>,
+    slim: impl FnMut(&mut K) + Send + 'static,
+) -> (Controller<K>, Store<K>)
 where
     K: kube::Resource<DynamicType = ()>
         + Clone
@@ -232,6 +238,7 @@ where
     let (reader, writer) = kube::runtime::reflector::store();
     let stream = watcher(api, watcher::Config::default())
         .default_backoff()
+        .modify(slim)
         .inspect(move |ev| {
             if let Ok(watcher::Event::InitDone) = ev {
                 synced.store(true, Ordering::SeqCst);
@@ -318,8 +325,15 @@ pub async fn run(args: RunArgs) -> i32 {
     let pvrs: Api<PodVolumeRestore> = Api::namespaced(client.clone(), &args.namespace);
     let pvb_synced = Arc::new(AtomicBool::new(false));
     let pvr_synced = Arc::new(AtomicBool::new(false));
-    let (pvb_controller, pvb_store) = controller_for(pvbs, pvb_synced.clone());
-    let (pvr_controller, _pvr_store) = controller_for(pvrs, pvr_synced.clone());
+    let (pvb_controller, pvb_store) = controller_for(
+        pvbs,
+        pvb_synced.clone(),
+        backup::slim_for(args.node_name.clone()),
+    );
+    let (pvr_controller, _pvr_store) =
+        controller_for(pvrs, pvr_synced.clone(), |o: &mut PodVolumeRestore| {
+            o.metadata.managed_fields = None;
+        });
     let reporter = Reporter {
         controller: "podvolume-agent".into(),
         instance: Some(args.node_name.clone()),

@@ -504,19 +504,37 @@ impl ResourceRequest {
             }
             "list" => {
                 let (label, field) = self.selectors(query)?;
+                let page = Page::from_query(query)?;
                 let store = lock(&shared.store);
-                let items: Vec<Value> = store
+                let rv = page.after.as_ref().map_or(store.rv, |(rv, _)| *rv);
+                // Objects come in key order (namespace, name), as from etcd.
+                let mut matching = store
                     .list(res, self.ns())
                     .into_iter()
                     .filter(|o| label.matches(o) && field.matches(o))
+                    .filter(|o| {
+                        page.after
+                            .as_ref()
+                            .is_none_or(|(_, key)| &object_key(o) > key)
+                    });
+                let items: Vec<Value> = matching
+                    .by_ref()
+                    .take(page.limit.unwrap_or(usize::MAX))
                     .map(|o| output(o, res, &self.version))
                     .collect();
+                let remaining = matching.count();
+                let mut metadata = json!({"resourceVersion": rv.to_string()});
+                if remaining > 0 {
+                    let last = items.last().map(object_key).unwrap_or_default();
+                    metadata["continue"] = Value::String(continue_token(rv, &last));
+                    metadata["remainingItemCount"] = json!(remaining);
+                }
                 Ok(json_response(
                     200,
                     &json!({
                         "kind": res.list_kind,
                         "apiVersion": res.api_version(&self.version),
-                        "metadata": {"resourceVersion": store.rv.to_string()},
+                        "metadata": metadata,
                         "items": items,
                     }),
                 ))
@@ -888,6 +906,66 @@ impl ResourceRequest {
         }?;
         Some((etype, ev.object.clone()))
     }
+}
+
+/// `limit`/`continue` of a list request. Pages are cut in key order like a real API server's;
+/// unlike one (which serves every page from the snapshot at the first page's resourceVersion),
+/// later pages show the objects as they are now, under the first page's resourceVersion.
+struct Page {
+    limit: Option<usize>,
+    /// The first page's resourceVersion and the key of the last object served.
+    after: Option<(u64, String)>,
+}
+
+impl Page {
+    fn from_query(query: &HashMap<String, String>) -> Result<Page, ApiError> {
+        let limit = match query.get("limit").map(String::as_str) {
+            None | Some("") | Some("0") => None,
+            Some(l) => Some(
+                l.parse::<usize>()
+                    .map_err(|_| ApiError::bad_request(format!("limit: Invalid value: {l:?}")))?,
+            ),
+        };
+        let after =
+            match query.get("continue").map(String::as_str) {
+                None | Some("") => None,
+                Some(token) => Some(parse_continue_token(token).ok_or_else(|| {
+                    ApiError::bad_request("continue key is not valid".to_string())
+                })?),
+            };
+        Ok(Page { limit, after })
+    }
+}
+
+fn object_key(o: &Value) -> String {
+    let m = |f: &str| {
+        o.pointer(&format!("/metadata/{f}"))
+            .and_then(Value::as_str)
+            .unwrap_or("")
+            .to_string()
+    };
+    format!("{}/{}", m("namespace"), m("name"))
+}
+
+/// Opaque to clients, as the real one: hex of `<rv>/<key>`.
+fn continue_token(rv: u64, key: &str) -> String {
+    format!("{rv}/{key}")
+        .bytes()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+fn parse_continue_token(token: &str) -> Option<(u64, String)> {
+    if !token.len().is_multiple_of(2) {
+        return None;
+    }
+    let bytes: Option<Vec<u8>> = (0..token.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(token.get(i..i + 2)?, 16).ok())
+        .collect();
+    let text = String::from_utf8(bytes?).ok()?;
+    let (rv, key) = text.split_once('/')?;
+    Some((rv.parse().ok()?, key.to_string()))
 }
 
 #[cfg(test)]

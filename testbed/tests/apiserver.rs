@@ -665,6 +665,52 @@ async fn status_subresource_present() {
 }
 
 #[tokio::test]
+async fn list_in_pages_with_limit_and_continue() {
+    let (_server, client) = setup().await;
+    let api = api(&client, "velero.io");
+    for i in 0..7 {
+        let mut o = pvb(&format!("pvb-{i}"), if i % 2 == 0 { "n1" } else { "n2" });
+        o.metadata.labels =
+            Some(serde_json::from_value(json!({"n": (i % 2).to_string()})).unwrap());
+        api.create(&PostParams::default(), &o).await.unwrap();
+    }
+    let mut seen = Vec::new();
+    let mut token: Option<String> = None;
+    let mut pages = 0;
+    let mut first_rv = None;
+    loop {
+        let mut lp = ListParams::default().limit(3).labels("n=0");
+        if let Some(t) = &token {
+            lp = lp.continue_token(t);
+        }
+        let page = api.list(&lp).await.unwrap();
+        pages += 1;
+        assert!(page.items.len() <= 3);
+        let rv = page.metadata.resource_version.clone();
+        assert_eq!(
+            *first_rv.get_or_insert(rv.clone()),
+            rv,
+            "every page carries the first page's resourceVersion"
+        );
+        seen.extend(page.items.iter().map(|o| o.metadata.name.clone().unwrap()));
+        match page.metadata.continue_.filter(|c| !c.is_empty()) {
+            Some(c) => {
+                assert!(page.metadata.remaining_item_count.unwrap() > 0);
+                token = Some(c);
+            }
+            None => break,
+        }
+    }
+    assert_eq!(pages, 2);
+    assert_eq!(seen, ["pvb-0", "pvb-2", "pvb-4", "pvb-6"]);
+    // Without a selector too.
+    let all = api.list(&ListParams::default().limit(2)).await.unwrap();
+    assert_eq!(all.items.len(), 2);
+    let err = api_error(api.list(&ListParams::default().continue_token("zz")).await);
+    assert_eq!(err.code, 400, "{err:?}");
+}
+
+#[tokio::test]
 async fn list_with_selectors() {
     let (server, client) = setup().await;
     let api = api(&client, "velero.io");
