@@ -22,7 +22,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use futures::StreamExt;
+use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::Secret;
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::events::{Recorder, Reporter};
@@ -217,13 +217,20 @@ async fn log_controller_result<T: std::fmt::Debug, E: std::fmt::Display>(r: Resu
     }
 }
 
+/// At most this many reconciles run at once per kind (they only claim, queue or cancel).
+const RECONCILE_CONCURRENCY: u16 = 16;
+
 /// A controller over a watch whose first complete list sets `synced`.
 /// `slim` trims each object before it is cached: the cache holds every object of the namespace,
-/// most of them other nodes', and is most of the agent's memory on a busy cluster.
+/// most of them other nodes', and is most of the agent's memory on a busy cluster. Only objects
+/// for which `relevant` holds are reconciled: after a restart with thousands of other nodes'
+/// objects in the first list, reconciling each (to return at once) would cost a burst of memory
+/// for nothing.
 fn controller_for<K>(
     api: Api<K>,
     synced: Arc<AtomicBool>,
     slim: impl FnMut(&mut K) + Send + 'static,
+    relevant: impl Fn(&K) -> bool + Send + 'static,
 ) -> (Controller<K>, Store<K>)
 where
     K: kube::Resource<DynamicType = ()>
@@ -245,8 +252,14 @@ where
             }
         })
         .reflect(writer)
-        .touched_objects();
-    (Controller::for_stream(stream, reader.clone()), reader)
+        .touched_objects()
+        .try_filter(move |o| std::future::ready(relevant(o)));
+    // Reconciles return at once; a bound keeps a burst of triggers from being a burst of memory.
+    let config = kube::runtime::controller::Config::default().concurrency(RECONCILE_CONCURRENCY);
+    (
+        Controller::for_stream(stream, reader.clone()).with_config(config),
+        reader,
+    )
 }
 
 /// Runs the agent until SIGTERM/SIGINT; returns the process exit code.
@@ -325,15 +338,20 @@ pub async fn run(args: RunArgs) -> i32 {
     let pvrs: Api<PodVolumeRestore> = Api::namespaced(client.clone(), &args.namespace);
     let pvb_synced = Arc::new(AtomicBool::new(false));
     let pvr_synced = Arc::new(AtomicBool::new(false));
+    let node = args.node_name.clone();
     let (pvb_controller, pvb_store) = controller_for(
         pvbs,
         pvb_synced.clone(),
         backup::slim_for(args.node_name.clone()),
+        move |o: &PodVolumeBackup| o.spec.node == node,
     );
-    let (pvr_controller, _pvr_store) =
-        controller_for(pvrs, pvr_synced.clone(), |o: &mut PodVolumeRestore| {
-            o.metadata.managed_fields = None;
-        });
+    // A PodVolumeRestore names no node; which one it is for is found from its pod.
+    let (pvr_controller, _pvr_store) = controller_for(
+        pvrs,
+        pvr_synced.clone(),
+        |o: &mut PodVolumeRestore| o.metadata.managed_fields = None,
+        |_: &PodVolumeRestore| true,
+    );
     let reporter = Reporter {
         controller: "podvolume-agent".into(),
         instance: Some(args.node_name.clone()),
