@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs the benchmarks and writes BENCHMARKS.md (the figures the README quotes).
 #
-#   scripts/bench.sh            full run (the documented numbers; about 15 minutes on 2 CPUs)
+#   scripts/bench.sh            full run (the documented numbers; about 20 minutes on 2 CPUs)
 #   scripts/bench.sh --quick    small sizes and few runs, a fast check that everything works
 #   scripts/bench.sh --capture  also re-capture testdata/restic-streams/ with the installed restic
 #
@@ -24,8 +24,8 @@ done
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$PWD/target-bench}"
 RESTIC="${RESTIC:-$(command -v restic)}"
 OUT="${BENCH_OUT:-BENCHMARKS.md}"
-if [ "$quick" = 1 ]; then runs=3; cancel_runs=3; secs=0.1; quick_flag=--quick
-else runs=5; cancel_runs=20; secs=0.5; quick_flag=; fi
+if [ "$quick" = 1 ]; then runs=3; cancel_runs=3; agent_cancel_runs=3; objects=2000; secs=0.1; quick_flag=--quick
+else runs=5; cancel_runs=20; agent_cancel_runs=10; objects=10000; secs=0.5; quick_flag=; fi
 
 work="$(mktemp -d "${BENCH_WORK_PARENT:-/var/tmp}/pva-bench.XXXXXX")"
 trap 'rm -rf "$work"' EXIT
@@ -51,6 +51,11 @@ rm -rf "$work/overhead"
 echo "case 4: cancel latency" >&2
 bench cancel --restic "$RESTIC" --work "$work/cancel" --runs "$cancel_runs" --out "$parts/4.md" >/dev/null
 rm -rf "$work/cancel"
+echo "cases 4b and 5: the agent against the API server stand-in" >&2
+bench agent --restic "$RESTIC" --agent "$CARGO_TARGET_DIR/release/podvolume-agent" \
+  --work "$work/agent" --cancel-runs "$agent_cancel_runs" --objects "$objects" --running 4 \
+  $quick_flag --out "$parts/4b-5.md" >/dev/null
+rm -rf "$work/agent"
 
 cpu="$(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -1)"
 mem_kib="$(sed -n 's/^MemTotal:[[:space:]]*\([0-9]*\) kB/\1/p' /proc/meminfo)"
@@ -75,6 +80,6 @@ mem_kib="$(sed -n 's/^MemTotal:[[:space:]]*\([0-9]*\) kB/\1/p' /proc/meminfo)"
   echo "The machine is shared and noisy: read the medians and the ratios (measured in the same"
   echo "run, alternating), not single absolute times."
   echo
-  cat "$parts/1-2.md" "$parts/3.md" "$parts/4.md" "$parts/6.md"
+  cat "$parts/1-2.md" "$parts/3.md" "$parts/4.md" "$parts/4b-5.md" "$parts/6.md"
 } > "$OUT"
 echo "wrote $OUT" >&2

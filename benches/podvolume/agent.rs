@@ -551,7 +551,9 @@ async fn run_async(o: &Options<'_>) -> String {
          {n} other-node objects are finished PodVolumeBackups as Velero writes them (labels, owner \
          reference, tags, status; about {size} bytes of JSON each), spread over 50 nodes. The \
          stand-in does not add `managedFields`, which a real API server does: read the figures with \
-         objects as a lower bound. Status writes the agent made to those objects: {writes_to_others}.\n\n",
+         objects as a lower bound. The stand-in serves the list in pages of 500 (the agent's page size) \
+         but copies the whole collection for each page, so *ready after* is slower than on a real \
+         API server. Status writes the agent made to those objects: {writes_to_others}.\n\n",
         n = o.objects,
         size = pvb_json("nightly-20261201-00000", "node-0", "app-0", "00000000-0000-4000-8000-000000000000", "/repo", Some(json!({"phase": "Completed", "path": "/host_pods/00000000-0000-4000-8000-000000000000/volumes/kubernetes.io~csi/pvc-0/mount", "snapshotID": "00000000", "startTimestamp": "2026-12-01T02:00:00Z", "completionTimestamp": "2026-12-01T02:03:10Z", "progress": {"totalBytes": 1_073_741_824i64, "bytesDone": 1_073_741_824i64}, "message": ""}))).to_string().len(),
     ));
