@@ -26,19 +26,70 @@ fn writer(ctx: &Context, pvr: &PodVolumeRestore) -> ObjectWriter<PodVolumeRestor
     ObjectWriter::new(api, pvr, ctx.pvr_status_subresource, ctx.metrics.clone())
 }
 
-/// The target pod, when it runs on this node. One read, no writes, for restores of other nodes.
-async fn target_pod(ctx: &Context, pvr: &PodVolumeRestore) -> Result<Option<Pod>, Error> {
+/// Names Velero gives the init container it adds (first) to every pod it restores volumes into
+/// (`restic-wait` before Velero 1.10). It waits for the done-file; once it runs, the pod's volumes
+/// are mounted and the restore can start, as Velero's own agent waits for.
+pub const RESTORE_HELPER_NAMES: [&str; 2] = ["restore-wait", "restic-wait"];
+
+/// Where a restore's target pod stands for this node.
+#[derive(Debug, PartialEq, Eq)]
+pub enum TargetPod {
+    /// Scheduled on another node: never ours, and that does not change.
+    Elsewhere,
+    /// Not ready for a restore yet; the reason is for the log.
+    NotYet(&'static str),
+    /// No such pod (yet): looked for again, less often.
+    Missing,
+    /// On this node with its volumes mounted.
+    Ready,
+}
+
+/// Whether a restore into `pod` can start on `node`. A pod without Velero's restore helper (not
+/// restored by Velero) is ready once it is scheduled here.
+pub fn readiness(pod: &Pod, node: &str) -> TargetPod {
+    let spec = pod.spec.as_ref();
+    match spec.and_then(|s| s.node_name.as_deref()) {
+        None | Some("") => return TargetPod::NotYet("the pod is not scheduled yet"),
+        Some(n) if n != node => return TargetPod::Elsewhere,
+        Some(_) => {}
+    }
+    let Some(helper) = spec.and_then(|s| s.init_containers.as_ref()).and_then(|c| {
+        c.iter()
+            .find(|c| RESTORE_HELPER_NAMES.contains(&c.name.as_str()))
+    }) else {
+        return TargetPod::Ready;
+    };
+    let running = pod
+        .status
+        .as_ref()
+        .and_then(|s| s.init_container_statuses.as_ref())
+        .and_then(|st| st.iter().find(|c| c.name == helper.name))
+        .and_then(|c| c.state.as_ref())
+        .is_some_and(|state| state.running.is_some());
+    if running {
+        TargetPod::Ready
+    } else {
+        TargetPod::NotYet("waiting for the restore helper init container to run")
+    }
+}
+
+/// The target pod's readiness. One read, no writes, for restores of other nodes.
+async fn target_pod(ctx: &Context, pvr: &PodVolumeRestore) -> Result<TargetPod, Error> {
     let ns = pvr.spec.pod.namespace.clone().unwrap_or_default();
     let name = pvr.spec.pod.name.clone().unwrap_or_default();
     if ns.is_empty() || name.is_empty() {
-        return Ok(None);
+        return Ok(TargetPod::Elsewhere);
     }
     let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &ns);
-    let pod = pods.get_opt(&name).await.map_err(Error::Kube)?;
-    Ok(pod.filter(|p| {
-        p.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(ctx.args.node_name.as_str())
-    }))
+    Ok(match pods.get_opt(&name).await.map_err(Error::Kube)? {
+        Some(pod) => readiness(&pod, &ctx.args.node_name),
+        None => TargetPod::Missing,
+    })
 }
+
+/// How often a restore waiting for its pod looks again: pods are not watched (one read per wait
+/// here costs less than a watch of every pod of the node).
+const POD_RECHECK: Duration = Duration::from_secs(5);
 
 pub async fn reconcile(pvr: Arc<PodVolumeRestore>, ctx: Arc<Context>) -> Result<Action, Error> {
     use tracing::Instrument;
@@ -62,8 +113,13 @@ async fn reconcile_inner(pvr: Arc<PodVolumeRestore>, ctx: Arc<Context>) -> Resul
     }
     if !ctx.registry.is_active(&uid) && !ours_by_status {
         match target_pod(&ctx, &pvr).await? {
-            Some(_) => {}
-            None => return Ok(Action::await_change()),
+            TargetPod::Ready => {}
+            TargetPod::Elsewhere => return Ok(Action::await_change()),
+            TargetPod::NotYet(why) => {
+                tracing::debug!(why, "restore not started yet");
+                return Ok(Action::requeue(POD_RECHECK));
+            }
+            TargetPod::Missing => return Ok(Action::requeue(POD_RECHECK * 6)),
         }
     }
     if let Some(saved) = ctx.state.load(&uid) {
@@ -299,4 +355,69 @@ async fn prepare(
         },
         restore_uid(pvr),
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pod(node: Option<&str>, helper: Option<&str>, state: Option<serde_json::Value>) -> Pod {
+        let mut p = json!({
+            "metadata": {"name": "app", "namespace": "ns"},
+            "spec": {"containers": [{"name": "app", "image": "app"}]},
+        });
+        if let Some(n) = node {
+            p["spec"]["nodeName"] = json!(n);
+        }
+        if let Some(h) = helper {
+            p["spec"]["initContainers"] = json!([{"name": h, "image": "velero/velero"}]);
+            if let Some(st) = state {
+                p["status"] = json!({"initContainerStatuses": [{
+                    "name": h, "image": "velero/velero", "imageID": "", "ready": false,
+                    "restartCount": 0, "state": st,
+                }]});
+            }
+        }
+        serde_json::from_value(p).unwrap()
+    }
+
+    #[test]
+    fn a_restore_waits_for_the_pod_to_be_here_with_its_restore_helper_running() {
+        let running = Some(json!({"running": {"startedAt": "2026-12-02T10:00:00Z"}}));
+        let waiting = Some(json!({"waiting": {"reason": "PodInitializing"}}));
+        assert_eq!(
+            readiness(&pod(Some("b"), None, None), "a"),
+            TargetPod::Elsewhere
+        );
+        assert!(matches!(
+            readiness(&pod(None, Some("restore-wait"), None), "a"),
+            TargetPod::NotYet(_)
+        ));
+        assert!(matches!(
+            readiness(&pod(Some("a"), Some("restore-wait"), None), "a"),
+            TargetPod::NotYet(_)
+        ));
+        assert!(matches!(
+            readiness(&pod(Some("a"), Some("restore-wait"), waiting), "a"),
+            TargetPod::NotYet(_)
+        ));
+        assert_eq!(
+            readiness(&pod(Some("a"), Some("restore-wait"), running.clone()), "a"),
+            TargetPod::Ready
+        );
+        assert_eq!(
+            readiness(&pod(Some("a"), Some("restic-wait"), running.clone()), "a"),
+            TargetPod::Ready
+        );
+        // Not restored by Velero: no helper to wait for.
+        assert_eq!(
+            readiness(&pod(Some("a"), None, None), "a"),
+            TargetPod::Ready
+        );
+        // Another init container's state says nothing.
+        assert_eq!(
+            readiness(&pod(Some("a"), Some("setup"), None), "a"),
+            TargetPod::Ready
+        );
+    }
 }

@@ -139,17 +139,40 @@ impl Env {
         node: &str,
         volumes: &[&str],
     ) -> (Pod, BTreeMap<String, PathBuf>) {
+        self.create_pod_with(name, node, volumes, false).await
+    }
+
+    /// `restore_helper`: with the init container Velero adds to pods it restores into (first,
+    /// named `restore-wait`), not yet running.
+    pub async fn create_pod_with(
+        &self,
+        name: &str,
+        node: &str,
+        volumes: &[&str],
+        restore_helper: bool,
+    ) -> (Pod, BTreeMap<String, PathBuf>) {
         let vols: Vec<_> = volumes
             .iter()
             .map(|v| json!({"name": v, "emptyDir": {}}))
             .collect();
+        let mut spec = json!({
+            "nodeName": node,
+            "containers": [{"name": "app", "image": "busybox"}],
+            "volumes": vols,
+        });
+        if restore_helper {
+            let mounts: Vec<_> = volumes
+                .iter()
+                .map(|v| json!({"name": v, "mountPath": format!("/restores/{v}")}))
+                .collect();
+            spec["initContainers"] = json!([{
+                "name": "restore-wait", "image": "velero/velero-restore-helper",
+                "volumeMounts": mounts,
+            }]);
+        }
         let pod: Pod = serde_json::from_value(json!({
             "metadata": {"name": name, "namespace": self.app_ns},
-            "spec": {
-                "nodeName": node,
-                "containers": [{"name": "app", "image": "busybox"}],
-                "volumes": vols,
-            },
+            "spec": spec,
         }))
         .unwrap();
         let pods: Api<Pod> = Api::namespaced(self.client.clone(), &self.app_ns);
@@ -242,6 +265,22 @@ impl Env {
             .create(&PostParams::default(), &obj)
             .await
             .unwrap()
+    }
+
+    /// Reports the pod's restore helper init container running, as the kubelet would.
+    pub async fn restore_helper_running(&self, pod: &str) {
+        let pods: Api<Pod> = Api::namespaced(self.client.clone(), &self.app_ns);
+        pods.patch_status(
+            pod,
+            &PatchParams::default(),
+            &Patch::Merge(json!({"status": {"initContainerStatuses": [{
+                "name": "restore-wait", "image": "velero/velero-restore-helper", "imageID": "",
+                "ready": false, "restartCount": 0,
+                "state": {"running": {"startedAt": "2026-12-02T00:00:00Z"}},
+            }]}})),
+        )
+        .await
+        .unwrap();
     }
 
     /// Sets `spec.cancel: true` as a user (or Velero) would.

@@ -540,6 +540,49 @@ async fn hostile_volume_names_and_escaping_symlinks_are_refused() {
     env.cleanup().await;
 }
 
+/// As Velero's agent: a restore starts only once the restore helper init container of the
+/// target pod runs (its volumes are mounted then); the agent looks again without a pod watch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restore_waits_for_the_restore_helper_to_run() {
+    let env = Env::new(Flavour::Velero).await;
+    let (src_pod, src) = env.create_pod("src-pod", NODE, &["data"]).await;
+    Env::fill(&src["data"], &[("a.bin", 3 << 20), ("d/b.txt", 77)]);
+    let mut agent = env.start_agent(NODE, &[]);
+    agent.wait_ready(LONG).await;
+    env.create_pvb("pvb-src", &src_pod, "data", NODE).await;
+    let b = env
+        .wait_pvb("pvb-src", &[Phase::Completed, Phase::Failed], LONG)
+        .await;
+    let id = status(&b).snapshot_id.clone().unwrap();
+    let (dst_pod, dst) = env.create_pod_with("dst-pod", NODE, &["data"], true).await;
+    env.create_pvr("pvr-wait", &dst_pod, "data", &id, "restore-uid-w")
+        .await;
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let waiting = env.pvrs().get("pvr-wait").await.unwrap();
+    assert!(
+        waiting.status.is_none(),
+        "started before the helper ran: {:?}",
+        waiting.status
+    );
+    assert!(!dst["data"].join("a.bin").exists());
+    env.restore_helper_running("dst-pod").await;
+    let r = env
+        .wait_pvr(
+            "pvr-wait",
+            &[Phase::Completed, Phase::Failed, Phase::Canceled],
+            LONG,
+        )
+        .await;
+    let st = r.status.clone().unwrap();
+    assert_eq!(st.phase, Some(Phase::Completed), "{st:?}\n{}", agent.logs());
+    assert_eq!(
+        std::fs::read(src["data"].join("d/b.txt")).unwrap(),
+        std::fs::read(dst["data"].join("d/b.txt")).unwrap()
+    );
+    assert!(dst["data"].join(".velero/restore-uid-w").exists());
+    env.cleanup().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn restore_into_another_pod_with_the_done_file() {
     let env = Env::new(Flavour::Velero).await;
