@@ -180,8 +180,8 @@ impl<K: VolumeObject> ObjectWriter<K> {
         }
     }
 
-    /// Patches `status` (merge) and, when given, `metadata` fields. `allow_terminal`: the write
-    /// may go over a terminal phase (only to remove our finalizer afterwards).
+    /// Patches `status` (merge) and, when given, `metadata` fields. A status write is not retried
+    /// over a terminal phase someone else wrote (`WriteError::Terminal`).
     pub async fn write(
         &mut self,
         status: Option<Value>,
@@ -270,7 +270,11 @@ impl<K: VolumeObject> ObjectWriter<K> {
         }
         match last {
             Some(o) => Ok(o),
-            None => self.api.get(&self.name).await,
+            None => {
+                let o = self.api.get(&self.name).await?;
+                self.seen(&o);
+                Ok(o)
+            }
         }
     }
 
