@@ -540,20 +540,42 @@ async fn hostile_volume_names_and_escaping_symlinks_are_refused() {
     env.cleanup().await;
 }
 
-/// As Velero's agent: a restore starts only once the restore helper init container of the
-/// target pod runs (its volumes are mounted then); the agent looks again without a pod watch.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn restore_waits_for_the_restore_helper_to_run() {
-    let env = Env::new(Flavour::Velero).await;
+/// An agent on `NODE` and a completed backup of `files` in the volume `data` of a pod there:
+/// the agent, the volume's directories, the snapshot ID and the bytes backed up.
+async fn backed_up(
+    env: &Env,
+    files: &[(&str, usize)],
+) -> (
+    Agent,
+    std::collections::BTreeMap<String, std::path::PathBuf>,
+    String,
+    u64,
+) {
     let (src_pod, src) = env.create_pod("src-pod", NODE, &["data"]).await;
-    Env::fill(&src["data"], &[("a.bin", 3 << 20), ("d/b.txt", 77)]);
+    let total = Env::fill(&src["data"], files);
     let mut agent = env.start_agent(NODE, &[]);
     agent.wait_ready(LONG).await;
     env.create_pvb("pvb-src", &src_pod, "data", NODE).await;
     let b = env
         .wait_pvb("pvb-src", &[Phase::Completed, Phase::Failed], LONG)
         .await;
+    assert_eq!(
+        status(&b).phase,
+        Some(Phase::Completed),
+        "{:?}\n{}",
+        b.status,
+        agent.logs()
+    );
     let id = status(&b).snapshot_id.clone().unwrap();
+    (agent, src, id, total)
+}
+
+/// As Velero's agent: a restore starts only once the restore helper init container of the
+/// target pod runs (its volumes are mounted then); the agent looks again without a pod watch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restore_waits_for_the_restore_helper_to_run() {
+    let env = Env::new(Flavour::Velero).await;
+    let (agent, src, id, _) = backed_up(&env, &[("a.bin", 3 << 20), ("d/b.txt", 77)]).await;
     let (dst_pod, dst) = env.create_pod_with("dst-pod", NODE, &["data"], true).await;
     env.create_pvr("pvr-wait", &dst_pod, "data", &id, "restore-uid-w")
         .await;
@@ -586,18 +608,11 @@ async fn restore_waits_for_the_restore_helper_to_run() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn restore_into_another_pod_with_the_done_file() {
     let env = Env::new(Flavour::Velero).await;
-    let (src_pod, src) = env.create_pod("src-pod", NODE, &["data"]).await;
-    let total = Env::fill(
-        &src["data"],
+    let (agent, src, id, total) = backed_up(
+        &env,
         &[("big.bin", 40 << 20), ("d/x.txt", 123), ("d/e/y.txt", 4567)],
-    );
-    let mut agent = env.start_agent(NODE, &[]);
-    agent.wait_ready(LONG).await;
-    env.create_pvb("pvb-src", &src_pod, "data", NODE).await;
-    let b = env
-        .wait_pvb("pvb-src", &[Phase::Completed, Phase::Failed], LONG)
-        .await;
-    let id = status(&b).snapshot_id.clone().unwrap();
+    )
+    .await;
     let (dst_pod, dst) = env.create_pod("dst-pod", NODE, &["data"]).await;
     let (far_pod, _) = env.create_pod("far-pod", OTHER_NODE, &["data"]).await;
     env.create_pvr("pvr-far", &far_pod, "data", &id, "restore-uid-2")
