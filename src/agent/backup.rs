@@ -40,8 +40,10 @@ async fn reconcile_inner(pvb: Arc<PodVolumeBackup>, ctx: Arc<Context>) -> Result
     let uid = pvb.uid().unwrap_or_default();
     let phase = pvb.phase();
     if phase.is_terminal() {
-        if pvb.finalizers().iter().any(|f| f == crate::crd::FINALIZER) {
-            transfer::remove_finalizer(&mut writer(&ctx, &pvb)).await;
+        if pvb.finalizers().iter().any(|f| f == crate::crd::FINALIZER)
+            && !transfer::remove_finalizer(&mut writer(&ctx, &pvb)).await
+        {
+            return Ok(Action::requeue(Duration::from_secs(10)));
         }
         return Ok(Action::await_change());
     }

@@ -106,8 +106,11 @@ async fn reconcile_inner(pvr: Arc<PodVolumeRestore>, ctx: Arc<Context>) -> Resul
     let ours_by_status =
         pvr.status.as_ref().and_then(|s| s.node.as_deref()) == Some(ctx.args.node_name.as_str());
     if phase.is_terminal() {
-        if ours_by_status && pvr.finalizers().iter().any(|f| f == crate::crd::FINALIZER) {
-            transfer::remove_finalizer(&mut writer(&ctx, &pvr)).await;
+        if ours_by_status
+            && pvr.finalizers().iter().any(|f| f == crate::crd::FINALIZER)
+            && !transfer::remove_finalizer(&mut writer(&ctx, &pvr)).await
+        {
+            return Ok(Action::requeue(Duration::from_secs(10)));
         }
         return Ok(Action::await_change());
     }

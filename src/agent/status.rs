@@ -157,8 +157,18 @@ impl<K: VolumeObject> ObjectWriter<K> {
     /// can never remove the object before its result is written.
     pub async fn write_result(&mut self, status: Value) -> Result<K, WriteError> {
         if self.subresource {
-            self.write_with(Some(status), None, Finalizer::Keep).await?;
-            self.write_with(None, None, Finalizer::Remove).await
+            let written = self.write_with(Some(status), None, Finalizer::Keep).await?;
+            // The result is in: a finalizer that cannot be removed now is removed by the
+            // reconcile of the terminal object (our own write triggers one), not by writing the
+            // result again.
+            match self.write_with(None, None, Finalizer::Remove).await {
+                Ok(o) => Ok(o),
+                Err(WriteError::Gone) => Ok(written),
+                Err(e) => {
+                    tracing::warn!(error = %e, "result written; our finalizer is removed later");
+                    Ok(written)
+                }
+            }
         } else {
             self.write_with(Some(status), None, Finalizer::Remove).await
         }

@@ -229,6 +229,7 @@ pub async fn finish<K: VolumeObject>(
                     ?phase,
                     "the object already has a result; ours is not written over it"
                 );
+                // If this fails, the reconcile of the terminal object removes it later.
                 remove_finalizer(writer).await;
                 break;
             }
@@ -246,17 +247,19 @@ pub async fn finish<K: VolumeObject>(
     true
 }
 
-/// Removes our finalizer; the writer's conflict handling keeps other finalizers.
-pub async fn remove_finalizer<K: VolumeObject>(writer: &mut ObjectWriter<K>) {
-    for _ in 0..5 {
+/// Removes our finalizer; the writer's conflict handling keeps other finalizers. Returns whether
+/// it is gone (a few quick tries; the caller requeues otherwise).
+pub async fn remove_finalizer<K: VolumeObject>(writer: &mut ObjectWriter<K>) -> bool {
+    for attempt in 0..3 {
         match writer.set_finalizer(Finalizer::Remove).await {
-            Ok(_) | Err(WriteError::Gone) => return,
+            Ok(_) | Err(WriteError::Gone) => return true,
             Err(e) => {
-                tracing::warn!(error = %e, "could not remove the finalizer; retrying");
+                tracing::warn!(error = %e, attempt, "could not remove the finalizer");
                 tokio::time::sleep(Duration::from_secs(1)).await;
             }
         }
     }
+    false
 }
 
 /// The phase an outcome gives the object.
