@@ -343,6 +343,26 @@ fn pvb_json(
     o
 }
 
+/// The `i`th finished PodVolumeBackup of another node, as Velero leaves them behind.
+fn other_nodes_backup(i: usize) -> Value {
+    let uid = format!("00000000-0000-4000-8000-{i:012}");
+    let status = json!({
+        "phase": "Completed", "path": format!("/host_pods/{uid}/volumes/kubernetes.io~csi/pvc-{i}/mount"),
+        "snapshotID": format!("{:08x}", i * 2_654_435_761usize % (1 << 32)),
+        "startTimestamp": "2026-12-01T02:00:00Z", "completionTimestamp": "2026-12-01T02:03:10Z",
+        "progress": {"totalBytes": 1_073_741_824i64, "bytesDone": 1_073_741_824i64},
+        "message": "",
+    });
+    pvb_json(
+        &format!("nightly-20261201-{i:05}"),
+        &format!("node-{}", i % 50),
+        &format!("app-{i}"),
+        &uid,
+        "/repo",
+        Some(status),
+    )
+}
+
 async fn run_async(o: &Options<'_>) -> String {
     AGENT.set(o.agent.to_path_buf()).ok();
     let data = o.work.join("data");
@@ -363,26 +383,7 @@ async fn run_async(o: &Options<'_>) -> String {
 
     let t = Instant::now();
     for i in 0..o.objects {
-        let node = format!("node-{}", i % 50);
-        let pod = format!("app-{i}");
-        let uid = format!("00000000-0000-4000-8000-{i:012}");
-        let status = json!({
-            "phase": "Completed", "path": format!("/host_pods/{uid}/volumes/kubernetes.io~csi/pvc-{i}/mount"),
-            "snapshotID": format!("{:08x}", i * 2_654_435_761usize % (1 << 32)),
-            "startTimestamp": "2026-12-01T02:00:00Z", "completionTimestamp": "2026-12-01T02:03:10Z",
-            "progress": {"totalBytes": 1_073_741_824i64, "bytesDone": 1_073_741_824i64},
-            "message": "",
-        });
-        bed.server
-            .put_json(pvb_json(
-                &format!("nightly-20261201-{i:05}"),
-                &node,
-                &pod,
-                &uid,
-                "/repo",
-                Some(status),
-            ))
-            .unwrap();
+        bed.server.put_json(other_nodes_backup(i)).unwrap();
     }
     eprintln!("{} objects stored in {:?}", o.objects, t.elapsed());
     // Watch events arrive in order: once a PVB created after them is handled, the agent has seen
@@ -555,7 +556,7 @@ async fn run_async(o: &Options<'_>) -> String {
          but copies the whole collection for each page, so *ready after* is slower than on a real \
          API server. Status writes the agent made to those objects: {writes_to_others}.\n\n",
         n = o.objects,
-        size = pvb_json("nightly-20261201-00000", "node-0", "app-0", "00000000-0000-4000-8000-000000000000", "/repo", Some(json!({"phase": "Completed", "path": "/host_pods/00000000-0000-4000-8000-000000000000/volumes/kubernetes.io~csi/pvc-0/mount", "snapshotID": "00000000", "startTimestamp": "2026-12-01T02:00:00Z", "completionTimestamp": "2026-12-01T02:03:10Z", "progress": {"totalBytes": 1_073_741_824i64, "bytesDone": 1_073_741_824i64}, "message": ""}))).to_string().len(),
+        size = other_nodes_backup(0).to_string().len(),
     ));
     md.push_str("| state | agent RSS MiB | note |\n|---|---:|---|\n");
     md.push_str(&format!(

@@ -165,7 +165,7 @@ async fn run(ctx: Arc<Context>, pvb: PodVolumeBackup, token: CancellationToken) 
             return;
         }
         // Interrupted runs (agent restarts) are counted, and bounded.
-        let starts = attempts_of(&pvb);
+        let starts = pvb.attempts();
         if starts >= ctx.args.max_attempts.max(1) {
             let status = failed(format!(
                 "the backup was started {starts} times and each run was interrupted by a node agent restart; giving up"
@@ -241,13 +241,6 @@ async fn run(ctx: Arc<Context>, pvb: PodVolumeBackup, token: CancellationToken) 
 
 fn failed(message: String) -> Value {
     json!({ "phase": Phase::Failed.as_str(), "message": message })
-}
-
-fn attempts_of(pvb: &PodVolumeBackup) -> u32 {
-    pvb.annotations()
-        .get(ATTEMPTS_ANNOTATION)
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0)
 }
 
 struct Prepared {

@@ -244,7 +244,7 @@ async fn run(ctx: Arc<Context>, pvr: PodVolumeRestore, token: CancellationToken)
             }
             return;
         }
-        let starts: u32 = pvr.annotations().get(ATTEMPTS_ANNOTATION).and_then(|v| v.parse().ok()).unwrap_or(0);
+        let starts = pvr.attempts();
         if starts >= ctx.args.max_attempts.max(1) {
             let message = format!("the restore was started {starts} times and each run was interrupted by a node agent restart; giving up");
             end(&ctx, &pvr, &mut w, failed(&ctx, message), "failure", started, 0).await;

@@ -34,45 +34,43 @@ pub trait VolumeObject:
     /// When the object was claimed (orders the queue).
     fn accepted_timestamp(&self) -> Option<&Time>;
     fn cancel_requested(&self) -> bool;
-}
-
-impl VolumeObject for PodVolumeBackup {
-    fn accepted_timestamp(&self) -> Option<&Time> {
-        self.status
+    /// How many times a transfer of this object was started (runs interrupted by restarts).
+    fn attempts(&self) -> u32 {
+        self.meta()
+            .annotations
             .as_ref()
-            .and_then(|s| s.accepted_timestamp.as_ref())
-    }
-    const KIND: &'static str = "PodVolumeBackup";
-    const OPERATION: &'static str = "backup";
-    fn phase(&self) -> Phase {
-        self.status
-            .as_ref()
-            .and_then(|s| s.phase)
-            .unwrap_or(Phase::New)
-    }
-    fn cancel_requested(&self) -> bool {
-        self.spec.cancel == Some(true) || self.metadata.deletion_timestamp.is_some()
+            .and_then(|a| a.get(crate::crd::ATTEMPTS_ANNOTATION))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0)
     }
 }
 
-impl VolumeObject for PodVolumeRestore {
-    fn accepted_timestamp(&self) -> Option<&Time> {
-        self.status
-            .as_ref()
-            .and_then(|s| s.accepted_timestamp.as_ref())
-    }
-    const KIND: &'static str = "PodVolumeRestore";
-    const OPERATION: &'static str = "restore";
-    fn phase(&self) -> Phase {
-        self.status
-            .as_ref()
-            .and_then(|s| s.phase)
-            .unwrap_or(Phase::New)
-    }
-    fn cancel_requested(&self) -> bool {
-        self.spec.cancel == Some(true) || self.metadata.deletion_timestamp.is_some()
-    }
+// Both kinds have the same status and spec fields for these; one body serves both.
+macro_rules! volume_object {
+    ($kind:ty, $name:literal, $operation:literal) => {
+        impl VolumeObject for $kind {
+            const KIND: &'static str = $name;
+            const OPERATION: &'static str = $operation;
+            fn phase(&self) -> Phase {
+                self.status
+                    .as_ref()
+                    .and_then(|s| s.phase)
+                    .unwrap_or(Phase::New)
+            }
+            fn accepted_timestamp(&self) -> Option<&Time> {
+                self.status
+                    .as_ref()
+                    .and_then(|s| s.accepted_timestamp.as_ref())
+            }
+            fn cancel_requested(&self) -> bool {
+                self.spec.cancel == Some(true) || self.metadata.deletion_timestamp.is_some()
+            }
+        }
+    };
 }
+
+volume_object!(PodVolumeBackup, "PodVolumeBackup", "backup");
+volume_object!(PodVolumeRestore, "PodVolumeRestore", "restore");
 
 #[derive(Debug, thiserror::Error)]
 pub enum WriteError {

@@ -485,38 +485,8 @@ impl Env {
     /// Cleans up a real cluster's namespaces (the stand-in just goes away).
     pub async fn cleanup(&self) {
         if let Backend::Real(_) = self.backend {
-            for name in self
-                .pvbs()
-                .list(&Default::default())
-                .await
-                .map(|l| l.items)
-                .unwrap_or_default()
-            {
-                let _ = self
-                    .pvbs()
-                    .patch(
-                        &name.name_any(),
-                        &PatchParams::default(),
-                        &Patch::Merge(json!({"metadata": {"finalizers": null}})),
-                    )
-                    .await;
-            }
-            for name in self
-                .pvrs()
-                .list(&Default::default())
-                .await
-                .map(|l| l.items)
-                .unwrap_or_default()
-            {
-                let _ = self
-                    .pvrs()
-                    .patch(
-                        &name.name_any(),
-                        &PatchParams::default(),
-                        &Patch::Merge(json!({"metadata": {"finalizers": null}})),
-                    )
-                    .await;
-            }
+            drop_finalizers(self.pvbs()).await;
+            drop_finalizers(self.pvrs()).await;
             let namespaces: Api<Namespace> = Api::all(self.client.clone());
             for n in [&self.ns, &self.app_ns] {
                 let _ = namespaces.delete(n, &DeleteParams::default()).await;
@@ -576,6 +546,27 @@ async fn wait_phase<K: VolumeObject>(
             ),
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Removes every finalizer from the objects of `api`, so their namespace can go.
+async fn drop_finalizers<K>(api: Api<K>)
+where
+    K: kube::Resource<DynamicType = ()> + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    let items = api
+        .list(&Default::default())
+        .await
+        .map(|l| l.items)
+        .unwrap_or_default();
+    for o in items {
+        let _ = api
+            .patch(
+                &o.name_any(),
+                &PatchParams::default(),
+                &Patch::Merge(json!({"metadata": {"finalizers": null}})),
+            )
+            .await;
     }
 }
 
