@@ -59,6 +59,11 @@ fn fill_source(bed: &Bed, big_mib: usize, small: usize) -> u64 {
     total
 }
 
+#[test]
+fn restic_under_test_is_the_requested_version() {
+    assert_requested_version();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn full_backup_reports_exact_monotonic_progress_and_the_snapshot() {
     let bed = Bed::new();
@@ -70,7 +75,7 @@ async fn full_backup_reports_exact_monotonic_progress_and_the_snapshot() {
     let outcome = op.wait().await;
     assert_eq!(outcome.kind, OutcomeKind::Success, "{outcome:?}");
     let id = outcome.snapshot_id.clone().expect("snapshot id");
-    assert!(id.len() == 8 || id.len() == 64, "{id}");
+    assert_eq!(id.len(), restic().snapshot_id_len(), "{id}");
     let summary = outcome.summary.clone().unwrap();
     assert_eq!(summary.total_bytes, total);
     assert_progress_invariants(&seen);
@@ -148,19 +153,16 @@ async fn unreadable_files_give_a_partial_outcome_with_the_snapshot_and_the_items
     .unwrap();
     // restic runs as "nobody", which may read the tree but not those two entries.
     std::fs::set_permissions(bed.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
-    let wrapper = bed.path().join("restic-as-nobody");
-    std::fs::write(
-        &wrapper,
-        "#!/bin/sh\nexec setpriv --reuid=65534 --regid=65534 --clear-groups restic \"$@\"\n",
-    )
-    .unwrap();
-    std::fs::set_permissions(&wrapper, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let wrapper = restic_wrapper(
+        &bed.path().join("restic-as-nobody"),
+        r#"exec setpriv --reuid=65534 --regid=65534 --clear-groups "$RESTIC" "$@""#,
+    );
     std::fs::set_permissions(&bed.password_file, std::fs::Permissions::from_mode(0o644)).unwrap();
     let engine = podvolume_agent::engine::Engine::new(EngineConfig {
         restic_binary: wrapper,
         update_interval: Duration::from_millis(500),
         lock_wait: Duration::ZERO,
-        ..EngineConfig::default()
+        ..engine_config()
     });
     // The repository is created by the engine (as nobody), so nobody can write to it.
     let outcome = engine.backup(backup_request(&bed)).wait().await;
@@ -210,7 +212,7 @@ async fn missing_repository_is_reported_or_initialised() {
     let strict = podvolume_agent::engine::Engine::new(EngineConfig {
         init_missing_repository: false,
         lock_wait: Duration::ZERO,
-        ..EngineConfig::default()
+        ..engine_config()
     });
     let outcome = strict.backup(backup_request(&bed)).wait().await;
     assert_eq!(outcome.kind, OutcomeKind::RepositoryMissing, "{outcome:?}");
@@ -286,23 +288,20 @@ async fn cancel_kills_grandchildren_and_a_straggler_does_not_hold_the_run() {
     bed.init_repo();
     // A wrapper that leaves a long-lived grandchild holding the pipes, as a shell or a backend
     // helper might.
-    let wrapper = bed.path().join("restic-with-helper");
     let pidfile = bed.path().join("helper.pid");
-    std::fs::write(
-        &wrapper,
-        format!(
-            "#!/bin/sh\nsleep 600 &\necho $! > {}\nexec restic \"$@\"\n",
+    let wrapper = restic_wrapper(
+        &bed.path().join("restic-with-helper"),
+        &format!(
+            "sleep 600 &\necho $! > {}\nexec \"$RESTIC\" \"$@\"",
             pidfile.display()
         ),
-    )
-    .unwrap();
-    std::fs::set_permissions(&wrapper, std::fs::Permissions::from_mode(0o755)).unwrap();
+    );
     let engine = podvolume_agent::engine::Engine::new(EngineConfig {
         restic_binary: wrapper,
         update_interval: Duration::from_millis(200),
         cancel_grace: Duration::from_secs(3),
         lock_wait: Duration::ZERO,
-        ..EngineConfig::default()
+        ..engine_config()
     });
     let alive = |pid: &str| {
         std::fs::read_to_string(format!("/proc/{pid}/stat"))
@@ -412,7 +411,7 @@ async fn stale_lock_is_removed_and_a_live_one_is_reported_with_its_holder() {
     assert_eq!(first.kind, OutcomeKind::Success, "{first:?}");
 
     // A live exclusive lock: `restic check --read-data`, slowed, holds one while it runs.
-    let holder = std::process::Command::new("restic")
+    let holder = std::process::Command::new(restic_bin())
         .args(["check", "--read-data", "--limit-download", "64"])
         .env("RESTIC_REPOSITORY", &bed.repo)
         .env("RESTIC_PASSWORD_FILE", &bed.password_file)

@@ -20,6 +20,10 @@ use podvolume_agent::crd::{Phase, PodVolumeBackup, PodVolumeRestore};
 use podvolume_testbed::TestApiServer;
 use serde_json::json;
 
+#[path = "../common/restic_under_test.rs"]
+mod restic_under_test;
+pub use restic_under_test::*;
+
 pub const NODE: &str = "e2e-node-a";
 pub const OTHER_NODE: &str = "e2e-node-b";
 
@@ -332,6 +336,7 @@ impl Env {
             .arg("--update-interval=200ms")
             .arg("--cancel-grace=3s")
             .arg("--log-format=plain")
+            .arg(format!("--restic-binary={}", restic_bin().display()))
             .args(extra)
             .env("RUST_LOG", "info,kube=warn,tower=warn,hyper=warn")
             .stdin(Stdio::null())
@@ -397,7 +402,7 @@ impl Env {
 
     /// restic's own view of the repository (snapshot IDs).
     pub fn restic_snapshots(&self) -> Vec<serde_json::Value> {
-        let out = Command::new("restic")
+        let out = Command::new(restic_bin())
             .args(["snapshots", "--json", "--no-lock"])
             .env("RESTIC_REPOSITORY", &self.repo)
             .env("RESTIC_PASSWORD_FILE", &self.password_file)
@@ -409,7 +414,7 @@ impl Env {
     }
 
     pub fn restic_locks(&self) -> Vec<String> {
-        let out = Command::new("restic")
+        let out = Command::new(restic_bin())
             .args(["list", "locks", "--no-lock"])
             .env("RESTIC_REPOSITORY", &self.repo)
             .env("RESTIC_PASSWORD_FILE", &self.password_file)
@@ -459,7 +464,10 @@ impl Env {
         let p = self.tmp.path().join(format!("restic-slow-{kib}"));
         std::fs::write(
             &p,
-            format!("#!/bin/sh\ncase \" $* \" in *\" backup \"*) exec restic \"$@\" --limit-upload={kib};; esac\nexec restic \"$@\"\n"),
+            format!(
+                "#!/bin/sh\nRESTIC='{}'\ncase \" $* \" in *\" backup \"*) exec \"$RESTIC\" \"$@\" --limit-upload={kib};; esac\nexec \"$RESTIC\" \"$@\"\n",
+                restic_bin().display()
+            ),
         )
         .unwrap();
         make_executable(&p);
@@ -475,7 +483,10 @@ impl Env {
         let p = self.tmp.path().join("restic-as-nobody");
         std::fs::write(
             &p,
-            "#!/bin/sh\nexec setpriv --reuid=65534 --regid=65534 --clear-groups restic \"$@\"\n",
+            format!(
+                "#!/bin/sh\nexec setpriv --reuid=65534 --regid=65534 --clear-groups '{}' \"$@\"\n",
+                restic_bin().display()
+            ),
         )
         .unwrap();
         make_executable(&p);

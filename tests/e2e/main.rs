@@ -879,3 +879,8 @@ async fn a_result_saved_during_an_outage_is_reported_after_a_restart_without_rer
     assert_eq!(snapshots_before, 1);
     env.cleanup().await;
 }
+
+#[test]
+fn restic_under_test_is_the_requested_version() {
+    assert_requested_version();
+}
