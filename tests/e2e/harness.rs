@@ -451,7 +451,7 @@ impl Env {
                 continue;
             };
             let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
-            if (cmd.starts_with("restic") || cmd.contains("/restic ")) && cmd.contains(&needle) {
+            if is_uploader(&cmd) && cmd.contains(&needle) {
                 found.push(format!("{pid}: {cmd}"));
             }
         }
@@ -519,6 +519,19 @@ impl Drop for Env {
             }
         }
     }
+}
+
+/// Whether a command line (argv joined by spaces) runs restic: the program itself, or a test's
+/// `sh` wrapper script named `restic-*`. The agent's own argv names restic in `--restic-binary`
+/// and is not one.
+fn is_uploader(cmd: &str) -> bool {
+    let base = |a: &str| a.rsplit('/').next().unwrap_or("").to_string();
+    let mut args = cmd.split(' ');
+    let program = base(args.next().unwrap_or(""));
+    if program == "sh" || program == "dash" || program == "bash" {
+        return args.next().is_some_and(|a| base(a).starts_with("restic"));
+    }
+    program.starts_with("restic")
 }
 
 async fn ensure_crds(client: &Client) {
