@@ -488,10 +488,7 @@ async fn upgrade_014_to_018_in_one_repository_keeps_parents_and_restores() {
     };
     let (v_old, v_new) = (version_of(&old), version_of(&new));
     println!("upgrade from restic {v_old} to restic {v_new}");
-    assert!(
-        v_old.minor == 14 && v_new.minor >= 18,
-        "{v_old} -> {v_new}"
-    );
+    assert!(v_old.minor == 14 && v_new.minor >= 18, "{v_old} -> {v_new}");
     let engine_of = |bin: &std::path::Path| {
         podvolume_agent::engine::Engine::new(EngineConfig {
             restic_binary: bin.to_path_buf(),
@@ -519,7 +516,10 @@ async fn upgrade_014_to_018_in_one_repository_keeps_parents_and_restores() {
     let full = second.snapshot_id.clone().unwrap();
     assert_eq!(full.len(), 64, "{full}");
     let s = second.summary.clone().unwrap();
-    assert_eq!(s.files_unmodified, files_before, "the parent was used: {s:?}");
+    assert_eq!(
+        s.files_unmodified, files_before,
+        "the parent was used: {s:?}"
+    );
     // restic records the parent: the full ID of the 0.14 snapshot.
     let out = std::process::Command::new(&new)
         .args(["snapshots", "--json", "--no-lock"])
@@ -534,7 +534,9 @@ async fn upgrade_014_to_018_in_one_repository_keeps_parents_and_restores() {
         .find(|x| x["id"] == full.as_str())
         .unwrap_or_else(|| panic!("{full} not in {snaps:?}"));
     assert!(
-        snap["parent"].as_str().is_some_and(|p| p.starts_with(&short)),
+        snap["parent"]
+            .as_str()
+            .is_some_and(|p| p.starts_with(&short)),
         "{snap}"
     );
 

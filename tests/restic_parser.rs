@@ -142,11 +142,13 @@ fn incremental_summaries_count_unmodified_files() {
 fn verbose_output_reports_the_end_of_the_scan() {
     // restic 0.14 types scan_finished as "status" carrying an action.
     let r = replay("backup-verbose", Direction::Backup);
-    assert!(
-        r.events
-            .iter()
-            .any(|(_, e)| matches!(e, UploaderEvent::ScanFinished { total_bytes: Some(_), .. }))
-    );
+    assert!(r.events.iter().any(|(_, e)| matches!(
+        e,
+        UploaderEvent::ScanFinished {
+            total_bytes: Some(_),
+            ..
+        }
+    )));
 }
 
 #[test]
@@ -459,7 +461,9 @@ fn v018_restore_json_gives_monotonic_progress_to_the_total() {
     assert_monotonic(&r);
     let total = 30_055_000;
     assert!(
-        r.progress.iter().any(|&(d, t)| d > 0 && d < total && t == total),
+        r.progress
+            .iter()
+            .any(|&(d, t)| d > 0 && d < total && t == total),
         "no intermediate progress: {:?}",
         r.progress
     );
@@ -486,8 +490,9 @@ fn v018_exit_3_is_partial_with_the_full_snapshot_id_and_each_item_once() {
         o.message
     );
     assert!(
-        o.message
-            .contains("secretdir (openfile for readdirnames failed: open secretdir: permission denied)"),
+        o.message.contains(
+            "secretdir (openfile for readdirnames failed: open secretdir: permission denied)"
+        ),
         "{}",
         o.message
     );
@@ -558,7 +563,10 @@ fn v018_sigint_ends_with_exit_1_and_context_canceled() {
     assert_eq!(o.kind, OutcomeKind::Interrupted, "{o:?}");
     let (_, o) = classify("0.18/sigint", Direction::Backup, true);
     assert_eq!(o.kind, OutcomeKind::Canceled);
-    assert!(fixture("0.18/sigint-list-locks.stdout").is_empty(), "lock left");
+    assert!(
+        fixture("0.18/sigint-list-locks.stdout").is_empty(),
+        "lock left"
+    );
 }
 
 #[test]

@@ -173,10 +173,7 @@ pub fn restic_wrapper(path: &Path, script: &str) -> PathBuf {
     use std::os::unix::fs::PermissionsExt;
     std::fs::write(
         path,
-        format!(
-            "#!/bin/sh\nRESTIC='{}'\n{script}\n",
-            restic_bin().display()
-        ),
+        format!("#!/bin/sh\nRESTIC='{}'\n{script}\n", restic_bin().display()),
     )
     .unwrap();
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755)).unwrap();

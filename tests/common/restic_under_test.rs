@@ -111,7 +111,11 @@ fn on_path(name: &str) -> Option<PathBuf> {
 /// one it runs, and the log says which.
 pub fn assert_requested_version() {
     let r = restic();
-    println!("restic under test: {} ({})", r.version_line, r.path.display());
+    println!(
+        "restic under test: {} ({})",
+        r.version_line,
+        r.path.display()
+    );
     if let Some(want) = std::env::var_os(VERSION_VAR) {
         assert!(
             r.version_line
