@@ -42,7 +42,7 @@ run() { echo "+ $*"; "$@"; }
 
 # Pass 1: every test, restic from PATH.
 echo "== pass 1: every test with $(restic version) ($(command -v restic)) =="
-run cargo test --workspace
+run cargo test --workspace --no-fail-fast
 run cargo test --test restic_engine --test cli --test e2e -- --show-output restic_under_test
 
 # Pass 2: what depends on restic's own behaviour, with 0.18: the engine (backup, incremental,
