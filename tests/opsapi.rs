@@ -91,7 +91,8 @@ fn slow_restic(env: &Env, kib: u32) -> PathBuf {
     std::fs::write(
         &p,
         format!(
-            "#!/bin/sh\ncase \" $* \" in *\" backup \"*) exec restic \"$@\" --limit-upload={kib};; esac\nexec restic \"$@\"\n"
+            "#!/bin/sh\nRESTIC='{}'\ncase \" $* \" in *\" backup \"*) exec \"$RESTIC\" \"$@\" --limit-upload={kib};; esac\nexec \"$RESTIC\" \"$@\"\n",
+            restic_bin().display()
         ),
     )
     .unwrap();

@@ -59,6 +59,11 @@ fn fill_source(bed: &Bed, big_mib: usize, small: usize) -> u64 {
     total
 }
 
+#[test]
+fn restic_under_test_is_the_requested_version() {
+    assert_requested_version();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn full_backup_reports_exact_monotonic_progress_and_the_snapshot() {
     let bed = Bed::new();
@@ -70,7 +75,7 @@ async fn full_backup_reports_exact_monotonic_progress_and_the_snapshot() {
     let outcome = op.wait().await;
     assert_eq!(outcome.kind, OutcomeKind::Success, "{outcome:?}");
     let id = outcome.snapshot_id.clone().expect("snapshot id");
-    assert!(id.len() == 8 || id.len() == 64, "{id}");
+    assert_eq!(id.len(), restic().snapshot_id_len(), "{id}");
     let summary = outcome.summary.clone().unwrap();
     assert_eq!(summary.total_bytes, total);
     assert_progress_invariants(&seen);
@@ -148,19 +153,16 @@ async fn unreadable_files_give_a_partial_outcome_with_the_snapshot_and_the_items
     .unwrap();
     // restic runs as "nobody", which may read the tree but not those two entries.
     std::fs::set_permissions(bed.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
-    let wrapper = bed.path().join("restic-as-nobody");
-    std::fs::write(
-        &wrapper,
-        "#!/bin/sh\nexec setpriv --reuid=65534 --regid=65534 --clear-groups restic \"$@\"\n",
-    )
-    .unwrap();
-    std::fs::set_permissions(&wrapper, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let wrapper = restic_wrapper(
+        &bed.path().join("restic-as-nobody"),
+        r#"exec setpriv --reuid=65534 --regid=65534 --clear-groups "$RESTIC" "$@""#,
+    );
     std::fs::set_permissions(&bed.password_file, std::fs::Permissions::from_mode(0o644)).unwrap();
     let engine = podvolume_agent::engine::Engine::new(EngineConfig {
         restic_binary: wrapper,
         update_interval: Duration::from_millis(500),
         lock_wait: Duration::ZERO,
-        ..EngineConfig::default()
+        ..engine_config()
     });
     // The repository is created by the engine (as nobody), so nobody can write to it.
     let outcome = engine.backup(backup_request(&bed)).wait().await;
@@ -210,7 +212,7 @@ async fn missing_repository_is_reported_or_initialised() {
     let strict = podvolume_agent::engine::Engine::new(EngineConfig {
         init_missing_repository: false,
         lock_wait: Duration::ZERO,
-        ..EngineConfig::default()
+        ..engine_config()
     });
     let outcome = strict.backup(backup_request(&bed)).wait().await;
     assert_eq!(outcome.kind, OutcomeKind::RepositoryMissing, "{outcome:?}");
@@ -286,23 +288,20 @@ async fn cancel_kills_grandchildren_and_a_straggler_does_not_hold_the_run() {
     bed.init_repo();
     // A wrapper that leaves a long-lived grandchild holding the pipes, as a shell or a backend
     // helper might.
-    let wrapper = bed.path().join("restic-with-helper");
     let pidfile = bed.path().join("helper.pid");
-    std::fs::write(
-        &wrapper,
-        format!(
-            "#!/bin/sh\nsleep 600 &\necho $! > {}\nexec restic \"$@\"\n",
+    let wrapper = restic_wrapper(
+        &bed.path().join("restic-with-helper"),
+        &format!(
+            "sleep 600 &\necho $! > {}\nexec \"$RESTIC\" \"$@\"",
             pidfile.display()
         ),
-    )
-    .unwrap();
-    std::fs::set_permissions(&wrapper, std::fs::Permissions::from_mode(0o755)).unwrap();
+    );
     let engine = podvolume_agent::engine::Engine::new(EngineConfig {
         restic_binary: wrapper,
         update_interval: Duration::from_millis(200),
         cancel_grace: Duration::from_secs(3),
         lock_wait: Duration::ZERO,
-        ..EngineConfig::default()
+        ..engine_config()
     });
     let alive = |pid: &str| {
         std::fs::read_to_string(format!("/proc/{pid}/stat"))
@@ -412,7 +411,7 @@ async fn stale_lock_is_removed_and_a_live_one_is_reported_with_its_holder() {
     assert_eq!(first.kind, OutcomeKind::Success, "{first:?}");
 
     // A live exclusive lock: `restic check --read-data`, slowed, holds one while it runs.
-    let holder = std::process::Command::new("restic")
+    let holder = std::process::Command::new(restic_bin())
         .args(["check", "--read-data", "--limit-download", "64"])
         .env("RESTIC_REPOSITORY", &bed.repo)
         .env("RESTIC_PASSWORD_FILE", &bed.password_file)
@@ -452,5 +451,122 @@ async fn stale_lock_is_removed_and_a_live_one_is_reported_with_its_holder() {
         .wait()
         .await;
     assert_eq!(outcome.kind, OutcomeKind::Success, "{outcome:?}");
+    assert!(bed.locks().is_empty());
+}
+
+/// Snapshot IDs across an upgrade of restic in one repository. The status carries the ID restic
+/// printed: 8 hex digits from 0.14 (what Velero's restic path stored too), 64 from 0.15 on. Both
+/// are IDs to every restic version (they match by prefix), so after an upgrade the stored short
+/// ID still serves as parent and for restores, and after a rollback the full one does.
+///
+/// Runs two binaries regardless of the pass: Debian's 0.14 (`restic` on PATH) and the 0.18 that
+/// `scripts/fetch-restic-trixie.sh` unpacks (or `PODVOLUME_TEST_RESTIC_NEW`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn upgrade_014_to_018_in_one_repository_keeps_parents_and_restores() {
+    let old = std::env::var_os("PODVOLUME_TEST_RESTIC_OLD")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| "restic".into());
+    let new = std::env::var_os("PODVOLUME_TEST_RESTIC_NEW")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| {
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("target/test-tools/restic-trixie/root/usr/bin/restic")
+        });
+    let version_of = |bin: &std::path::Path| {
+        let out = std::process::Command::new(bin)
+            .arg("version")
+            .output()
+            .unwrap_or_else(|e| {
+                panic!(
+                    "{}: {e} (scripts/test.sh installs restic and fetches 0.18)",
+                    bin.display()
+                )
+            });
+        let line = String::from_utf8_lossy(&out.stdout).to_string();
+        podvolume_agent::uploader::restic::ResticVersion::parse(&line)
+            .unwrap_or_else(|| panic!("{}: {line:?}", bin.display()))
+    };
+    let (v_old, v_new) = (version_of(&old), version_of(&new));
+    println!("upgrade from restic {v_old} to restic {v_new}");
+    assert!(v_old.minor == 14 && v_new.minor >= 18, "{v_old} -> {v_new}");
+    let engine_of = |bin: &std::path::Path| {
+        podvolume_agent::engine::Engine::new(EngineConfig {
+            restic_binary: bin.to_path_buf(),
+            update_interval: Duration::from_millis(500),
+            lock_wait: Duration::ZERO,
+            ..EngineConfig::default()
+        })
+    };
+    let bed = Bed::new();
+    fill_source(&bed, 4, 20);
+
+    // Backup with 0.14: the short ID, as Velero's restic path stored it.
+    let first = engine_of(&old).backup(backup_request(&bed)).wait().await;
+    assert_eq!(first.kind, OutcomeKind::Success, "{first:?}");
+    let short = first.snapshot_id.clone().unwrap();
+    assert_eq!(short.len(), 8, "{short}");
+    let files_before = first.summary.clone().unwrap().total_files;
+
+    // Incremental backup with 0.18 in the same repository, the short ID as parent.
+    write_random(&bed.source.join("after-upgrade.bin"), 100_000, 42);
+    let mut req = backup_request(&bed);
+    req.options.parent = Some(short.clone());
+    let second = engine_of(&new).backup(req).wait().await;
+    assert_eq!(second.kind, OutcomeKind::Success, "{second:?}");
+    let full = second.snapshot_id.clone().unwrap();
+    assert_eq!(full.len(), 64, "{full}");
+    let s = second.summary.clone().unwrap();
+    assert_eq!(
+        s.files_unmodified, files_before,
+        "the parent was used: {s:?}"
+    );
+    // restic records the parent: the full ID of the 0.14 snapshot.
+    let out = std::process::Command::new(&new)
+        .args(["snapshots", "--json", "--no-lock"])
+        .env("RESTIC_REPOSITORY", &bed.repo)
+        .env("RESTIC_PASSWORD_FILE", &bed.password_file)
+        .env("RESTIC_CACHE_DIR", &bed.cache)
+        .output()
+        .unwrap();
+    let snaps: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).unwrap();
+    let snap = snaps
+        .iter()
+        .find(|x| x["id"] == full.as_str())
+        .unwrap_or_else(|| panic!("{full} not in {snaps:?}"));
+    assert!(
+        snap["parent"]
+            .as_str()
+            .is_some_and(|p| p.starts_with(&short)),
+        "{snap}"
+    );
+
+    // Restores with 0.18: the new snapshot by its full ID, byte for byte; the old one by its
+    // short ID.
+    let target = bed.path().join("restored-new");
+    std::fs::create_dir(&target).unwrap();
+    let r = engine_of(&new)
+        .restore(restore_request(&bed, &full, &target))
+        .wait()
+        .await;
+    assert_eq!(r.kind, OutcomeKind::Success, "{r:?}");
+    assert_same_tree(&bed.source, &target);
+    let target_old = bed.path().join("restored-old");
+    std::fs::create_dir(&target_old).unwrap();
+    let r = engine_of(&new)
+        .restore(restore_request(&bed, &short, &target_old))
+        .wait()
+        .await;
+    assert_eq!(r.kind, OutcomeKind::Success, "{r:?}");
+    assert!(target_old.join("big.bin").is_file() && !target_old.join("after-upgrade.bin").exists());
+
+    // A rollback to 0.14 restores the snapshot 0.18 made, by the full ID the status carries.
+    let target_back = bed.path().join("restored-rollback");
+    std::fs::create_dir(&target_back).unwrap();
+    let r = engine_of(&old)
+        .restore(restore_request(&bed, &full, &target_back))
+        .wait()
+        .await;
+    assert_eq!(r.kind, OutcomeKind::Success, "{r:?}");
+    assert_same_tree(&bed.source, &target_back);
     assert!(bed.locks().is_empty());
 }

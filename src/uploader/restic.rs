@@ -278,8 +278,10 @@ struct Status {
     bytes_restored: u64,
     files_skipped: u64,
     bytes_skipped: u64,
-    // restic <= 0.15 types `scan_finished` as a status carrying `action`.
+    // restic <= 0.15 types `scan_finished` as a status carrying `action`, with the scanned size
+    // in `data_size` (captured from 0.14).
     action: Option<String>,
+    data_size: Option<u64>,
     // Unknown fields, `current_files` among them (long, useless to us), are skipped by serde
     // without allocating.
 }
@@ -289,7 +291,8 @@ struct Status {
 struct VerboseStatus {
     action: String,
     total_files: Option<u64>,
-    total_bytes: Option<u64>,
+    /// `scan_finished` carries the scanned size as `data_size` (captured from 0.18).
+    data_size: Option<u64>,
 }
 
 #[derive(Deserialize, Default)]
@@ -400,7 +403,7 @@ impl ResticParser {
             Message::Status(s) => {
                 if s.action.as_deref() == Some("scan_finished") {
                     return UploaderEvent::ScanFinished {
-                        total_bytes: s.total_bytes,
+                        total_bytes: s.data_size.or(s.total_bytes),
                         total_files: Some(s.total_files),
                     };
                 }
@@ -425,7 +428,7 @@ impl ResticParser {
             Message::VerboseStatus(v) => {
                 if v.action == "scan_finished" {
                     UploaderEvent::ScanFinished {
-                        total_bytes: v.total_bytes,
+                        total_bytes: v.data_size,
                         total_files: v.total_files,
                     }
                 } else {
@@ -457,15 +460,25 @@ impl ResticParser {
                 e.item,
                 describe_error_value(&e.error)
             )),
-            Message::Error(e) => UploaderEvent::ItemError {
-                item: e.item,
-                message: describe_error_value(&e.error),
-            },
-            Message::ExitError(e) => UploaderEvent::Fatal(format!(
-                "{} (exit code {})",
-                crate::text::strip_ansi(e.message.trim()),
-                e.code
-            )),
+            Message::Error(e) => {
+                let message = describe_error_value(&e.error);
+                // 0.18 starts some messages with the item itself ("/v/a: open a: permission
+                // denied"); the item is shown beside the message, so once is enough.
+                let message = match message.strip_prefix(&format!("{}: ", e.item)) {
+                    Some(rest) if !e.item.is_empty() => rest.to_string(),
+                    _ => message,
+                };
+                UploaderEvent::ItemError {
+                    item: e.item,
+                    message,
+                }
+            }
+            // 0.18 keeps the `Fatal: ` of its text output inside the message.
+            Message::ExitError(e) => {
+                let message = crate::text::strip_ansi(e.message.trim());
+                let message = message.strip_prefix("Fatal: ").unwrap_or(&message);
+                UploaderEvent::Fatal(format!("{message} (exit code {})", e.code))
+            }
             Message::Unknown => UploaderEvent::Ignored,
         }
     }

@@ -10,6 +10,9 @@ use podvolume_agent::engine::{BackupRequest, Engine, EngineConfig, RestoreReques
 use podvolume_agent::uploader::restic::BackupOptions;
 use podvolume_agent::uploader::{RepositoryAccess, UploaderKind};
 
+mod restic_under_test;
+pub use restic_under_test::*;
+
 /// A scratch area with a source directory, a password file and a repository path.
 pub struct Bed {
     pub dir: tempfile::TempDir,
@@ -73,7 +76,7 @@ impl Bed {
 
     /// Runs restic directly (not through the agent) against this bed's repository.
     pub fn restic(&self, args: &[&str]) -> std::process::Output {
-        Command::new("restic")
+        Command::new(restic_bin())
             .args(args)
             .env("RESTIC_REPOSITORY", &self.repo)
             .env("RESTIC_PASSWORD_FILE", &self.password_file)
@@ -152,8 +155,29 @@ pub fn engine(update_interval: Duration) -> Arc<Engine> {
         update_interval,
         cancel_grace: Duration::from_secs(10),
         lock_wait: Duration::from_secs(0),
-        ..EngineConfig::default()
+        ..engine_config()
     })
+}
+
+/// The engine's defaults with the restic under test.
+pub fn engine_config() -> EngineConfig {
+    EngineConfig {
+        restic_binary: restic_bin().to_path_buf(),
+        ..EngineConfig::default()
+    }
+}
+
+/// A shell wrapper around the restic under test: `script` is sh code that ends by running
+/// `"$RESTIC" "$@"` (the variable holds the binary's path).
+pub fn restic_wrapper(path: &Path, script: &str) -> PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::write(
+        path,
+        format!("#!/bin/sh\nRESTIC='{}'\n{script}\n", restic_bin().display()),
+    )
+    .unwrap();
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755)).unwrap();
+    path.to_path_buf()
 }
 
 pub fn backup_request(bed: &Bed) -> BackupRequest {

@@ -20,6 +20,10 @@ use podvolume_agent::crd::{Phase, PodVolumeBackup, PodVolumeRestore};
 use podvolume_testbed::TestApiServer;
 use serde_json::json;
 
+#[path = "../common/restic_under_test.rs"]
+mod restic_under_test;
+pub use restic_under_test::*;
+
 pub const NODE: &str = "e2e-node-a";
 pub const OTHER_NODE: &str = "e2e-node-b";
 
@@ -39,6 +43,9 @@ pub enum Backend {
 
 pub struct Env {
     pub backend: Backend,
+    /// The flavour the API server serves, found by discovery (what a test asserts), which on a
+    /// real cluster may differ from the one the test asked for.
+    pub flavour: Flavour,
     pub client: Client,
     pub kubeconfig: PathBuf,
     /// Velero's namespace: where the PodVolumeBackups/Restores live.
@@ -62,7 +69,15 @@ fn unique(prefix: &str) -> String {
 }
 
 impl Env {
+    /// A test environment; on the stand-in, serving the CRDs of `flavour`. On a real cluster the
+    /// CRDs it has are kept (ours installed when it has none) and `Env::flavour` says which.
     pub async fn new(flavour: Flavour) -> Env {
+        Self::serving(flavour, flavour).await
+    }
+
+    /// As `new(requested)`, but the stand-in serves the CRDs of `served`: a real cluster that has
+    /// the other set installed, for testing that the tests adapt to what is served.
+    pub async fn serving(requested: Flavour, served: Flavour) -> Env {
         let tmp = tempfile::Builder::new()
             .prefix("pva-e2e-")
             .tempdir()
@@ -82,7 +97,7 @@ impl Env {
                 .unwrap();
             Client::try_from(cfg).unwrap()
         };
-        match (&backend, flavour) {
+        match (&backend, served) {
             (Backend::StandIn(s), Flavour::Velero) => s.install_velero_crds().unwrap(),
             (Backend::StandIn(s), Flavour::Ours) => {
                 s.apply_crd_yaml(&podvolume_agent::crd::crds_yaml())
@@ -91,6 +106,12 @@ impl Env {
             // A real cluster keeps whatever CRDs it has (Velero's or ours); install ours when
             // neither is there.
             (Backend::Real(_), _) => ensure_crds(&client).await,
+        }
+        let flavour = served_flavour(&client).await;
+        if flavour != requested {
+            eprintln!(
+                "the API server serves {flavour:?} CRDs (asked for {requested:?}): asserting {flavour:?} behaviour"
+            );
         }
         let ns = unique("pva-velero");
         let app_ns = unique("pva-app");
@@ -106,6 +127,7 @@ impl Env {
         Env {
             repo: tmp.path().join("repo"),
             backend,
+            flavour,
             client,
             kubeconfig,
             ns,
@@ -332,6 +354,7 @@ impl Env {
             .arg("--update-interval=200ms")
             .arg("--cancel-grace=3s")
             .arg("--log-format=plain")
+            .arg(format!("--restic-binary={}", restic_bin().display()))
             .args(extra)
             .env("RUST_LOG", "info,kube=warn,tower=warn,hyper=warn")
             .stdin(Stdio::null())
@@ -397,7 +420,7 @@ impl Env {
 
     /// restic's own view of the repository (snapshot IDs).
     pub fn restic_snapshots(&self) -> Vec<serde_json::Value> {
-        let out = Command::new("restic")
+        let out = Command::new(restic_bin())
             .args(["snapshots", "--json", "--no-lock"])
             .env("RESTIC_REPOSITORY", &self.repo)
             .env("RESTIC_PASSWORD_FILE", &self.password_file)
@@ -409,7 +432,7 @@ impl Env {
     }
 
     pub fn restic_locks(&self) -> Vec<String> {
-        let out = Command::new("restic")
+        let out = Command::new(restic_bin())
             .args(["list", "locks", "--no-lock"])
             .env("RESTIC_REPOSITORY", &self.repo)
             .env("RESTIC_PASSWORD_FILE", &self.password_file)
@@ -446,7 +469,7 @@ impl Env {
                 continue;
             };
             let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
-            if (cmd.starts_with("restic") || cmd.contains("/restic ")) && cmd.contains(&needle) {
+            if is_uploader(&cmd) && cmd.contains(&needle) {
                 found.push(format!("{pid}: {cmd}"));
             }
         }
@@ -459,7 +482,10 @@ impl Env {
         let p = self.tmp.path().join(format!("restic-slow-{kib}"));
         std::fs::write(
             &p,
-            format!("#!/bin/sh\ncase \" $* \" in *\" backup \"*) exec restic \"$@\" --limit-upload={kib};; esac\nexec restic \"$@\"\n"),
+            format!(
+                "#!/bin/sh\nRESTIC='{}'\ncase \" $* \" in *\" backup \"*) exec \"$RESTIC\" \"$@\" --limit-upload={kib};; esac\nexec \"$RESTIC\" \"$@\"\n",
+                restic_bin().display()
+            ),
         )
         .unwrap();
         make_executable(&p);
@@ -475,7 +501,10 @@ impl Env {
         let p = self.tmp.path().join("restic-as-nobody");
         std::fs::write(
             &p,
-            "#!/bin/sh\nexec setpriv --reuid=65534 --regid=65534 --clear-groups restic \"$@\"\n",
+            format!(
+                "#!/bin/sh\nexec setpriv --reuid=65534 --regid=65534 --clear-groups '{}' \"$@\"\n",
+                restic_bin().display()
+            ),
         )
         .unwrap();
         make_executable(&p);
@@ -505,6 +534,77 @@ impl Drop for Env {
                     nix::unistd::Pid::from_raw(pid),
                     nix::sys::signal::Signal::SIGKILL,
                 );
+            }
+        }
+    }
+}
+
+/// Whether a command line (argv joined by spaces) runs restic: the program itself, or a test's
+/// `sh` wrapper script named `restic-*`. The agent's own argv names restic in `--restic-binary`
+/// and is not one.
+fn is_uploader(cmd: &str) -> bool {
+    let base = |a: &str| a.rsplit('/').next().unwrap_or("").to_string();
+    let mut args = cmd.split(' ');
+    let program = base(args.next().unwrap_or(""));
+    if program == "sh" || program == "dash" || program == "bash" {
+        return args.next().is_some_and(|a| base(a).starts_with("restic"));
+    }
+    program.starts_with("restic")
+}
+
+/// Which CRD flavour the API server serves, from discovery as the agent reads it: the status
+/// subresource on PodVolumeBackups means ours.
+pub async fn served_flavour(client: &Client) -> Flavour {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        match client.list_api_group_resources("velero.io/v1").await {
+            Ok(list) if list.resources.iter().any(|r| r.name == "podvolumebackups") => {
+                let status = list
+                    .resources
+                    .iter()
+                    .any(|r| r.name == "podvolumebackups/status");
+                return if status {
+                    Flavour::Ours
+                } else {
+                    Flavour::Velero
+                };
+            }
+            other => assert!(
+                Instant::now() < deadline,
+                "velero.io/v1 podvolumebackups not served: {other:?}"
+            ),
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// Waits until a finished object is free of our finalizer, as the served flavour promises:
+/// with Velero's CRDs the result and the removal are one write, so the result itself must not
+/// carry it; with a status subresource the removal is a second request that follows shortly.
+pub async fn assert_result_released(env: &Env, done: &PodVolumeBackup, logs: impl Fn() -> String) {
+    let ours = |p: &PodVolumeBackup| {
+        p.finalizers()
+            .iter()
+            .any(|f| f == podvolume_agent::crd::FINALIZER)
+    };
+    match env.flavour {
+        Flavour::Velero => assert!(!ours(done), "finalizer left on the result\n{}", logs()),
+        Flavour::Ours => {
+            let name = done.name_any();
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while env
+                .pvbs()
+                .get_opt(&name)
+                .await
+                .unwrap()
+                .is_some_and(|p| ours(&p))
+            {
+                assert!(
+                    Instant::now() < deadline,
+                    "finalizer left on a finished object\n{}",
+                    logs()
+                );
+                tokio::time::sleep(Duration::from_millis(100)).await;
             }
         }
     }
