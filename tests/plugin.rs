@@ -15,8 +15,8 @@ use std::process::Stdio;
 use std::time::{Duration, Instant, SystemTime};
 
 use harness::*;
-use kube::api::{Patch, PatchParams, PostParams};
 use kube::ResourceExt;
+use kube::api::{Patch, PatchParams, PostParams};
 use nix::sys::signal::Signal;
 use podvolume_agent::crd::{Phase, PodVolumeBackup};
 use podvolume_agent::text::format_bytes;
@@ -96,7 +96,7 @@ async fn write_status(env: &Env, flavour: Flavour, name: &str, status: Value) {
 fn running(done: u64, total: u64, started: &str) -> Value {
     json!({"phase": "InProgress", "startTimestamp": started,
            "progress": {"bytesDone": done, "totalBytes": total},
-           "message": format!("uploading: {done} of {total}")})
+           "message": format!("uploading: {} of {}", format_bytes(done), format_bytes(total))})
 }
 
 /// The summary's rate and ETA agree with each other and with the remaining bytes.
@@ -490,6 +490,16 @@ async fn backup_by_the_real_agent_seen_through_the_plugin() {
     let mut size = Env::fill(&dirs_a["data"], &[("a.bin", 24 << 20), ("b.txt", 1000)]);
     size += Env::fill(&dirs_a["logs"], &[("l.bin", 8 << 20)]);
     size += Env::fill(&dirs_b["data"], &[("c.bin", 24 << 20)]);
+    // The repository exists before two agents use it: two first backups at once would both
+    // initialise it (restic init is not safe to run twice at the same time).
+    let init = std::process::Command::new("restic")
+        .arg("init")
+        .env("RESTIC_REPOSITORY", &env.repo)
+        .env("RESTIC_PASSWORD_FILE", &env.password_file)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert!(init.status.success(), "{init:?}");
     let slow = env.slow_restic(1500);
     let restic = format!("--restic-binary={}", slow.display());
     let mut agent_a = env.start_agent(NODE, &[&restic]);
@@ -819,6 +829,8 @@ async fn live_view_in_a_real_terminal() {
     );
     let web = screen.lines().find(|l| l.contains("/web")).unwrap();
     assert!(web.contains("[█████████░░░]"), "{screen}");
+    // What it looked like (`cargo test --test plugin live_view -- --nocapture`).
+    println!("{screen}");
 
     tmux.keys(&["C-c"]);
     let screen = tmux

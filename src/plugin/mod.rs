@@ -206,7 +206,7 @@ async fn list(client: &Client, kind: Kind, ns: &str, a: ListArgs) -> Result<i32,
     // One line per backup whose figures changed, as `kubectl get -w` does.
     let mut printed: std::collections::HashMap<String, String> = summaries
         .iter()
-        .map(|s| (s.name.clone(), line_of(&s, a.output, &view)))
+        .map(|s| (s.name.clone(), line_of(s, a.output, &view)))
         .collect();
     let mut changes = std::pin::pin!(view.changes(client));
     while let Some(c) = changes.next().await {

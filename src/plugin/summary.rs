@@ -192,7 +192,7 @@ fn count(v: &Value) -> u64 {
 
 fn time(v: &Value) -> Option<SystemTime> {
     let t: jiff::Timestamp = v.as_str()?.parse().ok()?;
-    SystemTime::try_from(t).ok()
+    Some(SystemTime::from(t))
 }
 
 /// Bytes moved over time, from which a rate is measured.
