@@ -160,7 +160,15 @@ async fn backup_progressing_over_time(flavour: Flavour) {
     assert_eq!(v["items"].as_array().unwrap().len(), 4);
 
     let mut watch = plugin(&env)
-        .args(["backup", "b1", "--watch", "-o", "json", "--refresh=100ms"])
+        .args([
+            "backup",
+            "b1",
+            "--watch",
+            "-o",
+            "json",
+            "--refresh=100ms",
+            "--window=5s",
+        ])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -211,6 +219,22 @@ async fn backup_progressing_over_time(flavour: Flavour) {
         p2["pod"].as_str().unwrap(),
         format!("{}/pod-b1-p2", env.app_ns)
     );
+
+    // The watch has seen step 1; step 2 comes later than a tenth of its window, so the two
+    // make a measurement (a wait to make time pass, not a timing assertion).
+    let deadline = Instant::now() + LONG;
+    loop {
+        let line = tokio::time::timeout_at(deadline.into(), lines.next_line())
+            .await
+            .expect("a watch line in time")
+            .unwrap()
+            .expect("the watch goes on");
+        let v: Value = serde_json::from_str(&line).unwrap();
+        if v["summary"]["bytesDone"].as_u64() == Some(150 * MB) {
+            break;
+        }
+    }
+    tokio::time::sleep(Duration::from_millis(600)).await;
 
     // Step 2: more bytes, p2's total known, p3 failed, p4 canceled.
     write_status(&env, flavour, "b1-p1", running(300 * MB, 400 * MB, &start1)).await;

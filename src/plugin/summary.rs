@@ -237,11 +237,14 @@ impl Meter {
         }
     }
 
-    /// Bytes per second between the first and the last change kept; `None` before two changes.
-    fn rate(&self) -> Option<f64> {
+    /// Bytes per second between the first and the last change kept; `None` before two changes
+    /// at least `min_span` apart (two agents writing within milliseconds of each other say
+    /// nothing about a rate).
+    fn rate(&self, min_span: Duration) -> Option<f64> {
         let (first, last) = (self.changes.front()?, self.changes.back()?);
-        let span = last.0.duration_since(first.0).ok()?.as_secs_f64();
-        (span > 0.0).then(|| (last.1 - first.1) as f64 / span)
+        let span = last.0.duration_since(first.0).ok()?;
+        (span >= min_span && !span.is_zero())
+            .then(|| (last.1 - first.1) as f64 / span.as_secs_f64())
     }
 
     /// How long nothing has moved, as of `now`.
@@ -358,6 +361,13 @@ pub struct Settings {
     pub stall_after: Duration,
 }
 
+impl Settings {
+    /// The shortest span of changes a window rate is measured over: a tenth of the window.
+    pub fn min_span(&self) -> Duration {
+        self.window / 10
+    }
+}
+
 /// Every volume seen, grouped by Velero backup/restore, with the meters of each.
 #[derive(Debug)]
 pub struct Tracker {
@@ -441,7 +451,7 @@ impl Tracker {
                 let rate = if v.state() == State::Running {
                     self.per_volume
                         .get(&v.uid)
-                        .and_then(Meter::rate)
+                        .and_then(|m| m.rate(self.settings.min_span()))
                         .or_else(|| since_start(v.bytes_done, v.started, now))
                 } else {
                     None
@@ -518,7 +528,7 @@ impl Tracker {
                 Some(r) => (Some(r), Some(RateBasis::SinceStart)),
                 None => (None, None),
             }
-        } else if let Some(r) = meter.and_then(Meter::rate) {
+        } else if let Some(r) = meter.and_then(|m| m.rate(self.settings.min_span())) {
             (Some(r), Some(RateBasis::Window))
         } else if let Some(r) = since_start(done, started, now) {
             (Some(r), Some(RateBasis::SinceStart))
@@ -757,6 +767,23 @@ mod tests {
                 at_least: false
             })
         );
+        // Two writes milliseconds apart are no measurement: the average since start stands.
+        let mut close = Tracker::new(Kind::Backup, settings());
+        close.observe(pvb("a", "n1", "InProgress", 0, 100 * MB, Some(0)), t(0));
+        close.observe(pvb("b", "n2", "InProgress", 0, 100 * MB, Some(0)), t(0));
+        let near = t(20) + Duration::from_millis(5);
+        close.observe(
+            pvb("a", "n1", "InProgress", 20 * MB, 100 * MB, Some(0)),
+            t(20),
+        );
+        close.observe(
+            pvb("b", "n2", "InProgress", 20 * MB, 100 * MB, Some(0)),
+            near,
+        );
+        let s = close.summary("b1", near).unwrap();
+        assert_eq!(s.rate_basis, Some(RateBasis::SinceStart));
+        let r = s.rate_bytes_per_second.unwrap();
+        assert!((r - 40.0 * MB as f64 / 20.005).abs() < 1.0, "{r}");
         // The rate does not sag between writes: "now" is not part of it.
         assert_eq!(
             tr.summary("b1", t(29)).unwrap().rate_bytes_per_second,
