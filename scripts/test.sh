@@ -22,6 +22,8 @@ need=()
 command -v restic >/dev/null || need+=(restic)
 command -v rclone >/dev/null || need+=(rclone)
 command -v setpriv >/dev/null || need+=(util-linux)
+# tmux: a real terminal for the kubectl-podvolume live view test (tests/plugin.rs).
+command -v tmux >/dev/null || need+=(tmux)
 command -v curl >/dev/null || need+=(curl ca-certificates)
 command -v gpgv >/dev/null || need+=(gpgv)
 command -v xz >/dev/null || need+=(xz-utils)

@@ -16,6 +16,7 @@ pub mod facts;
 pub mod framing;
 pub mod oneshot;
 pub mod operation;
+pub mod plugin;
 pub mod progress;
 pub mod runner;
 pub mod telemetry;

@@ -1,0 +1,162 @@
+//! The thin Kubernetes layer of `kubectl podvolume`: the user's kubeconfig, list and watch of
+//! PodVolumeBackups/PodVolumeRestores by label, and the cancel patch. Objects are read as untyped
+//! JSON (`DynamicObject`) so that one odd object (a phase of a later Velero, a mistyped field)
+//! costs its own fields, never the whole list.
+
+use std::path::Path;
+
+use futures::{Stream, StreamExt};
+use kube::api::{ApiResource, DynamicObject, ListParams, Patch, PatchParams};
+use kube::config::{KubeConfigOptions, Kubeconfig};
+use kube::runtime::{WatchStreamExt, watcher};
+use kube::{Api, Client, Config};
+use serde_json::{Value, json};
+
+use super::summary::{Kind, Volume};
+use crate::crd::{PodVolumeBackup, PodVolumeRestore};
+
+/// A client for the current context of the user's kubeconfig (`--kubeconfig`, else `KUBECONFIG`,
+/// else `~/.kube/config`, else in-cluster), or of `--context`.
+pub async fn client(kubeconfig: Option<&Path>, context: Option<&str>) -> Result<Client, String> {
+    let options = KubeConfigOptions {
+        context: context.map(str::to_string),
+        ..Default::default()
+    };
+    let config = match kubeconfig {
+        Some(path) => {
+            let kc = Kubeconfig::read_from(path)
+                .map_err(|e| format!("kubeconfig {}: {e}", path.display()))?;
+            Config::from_custom_kubeconfig(kc, &options)
+                .await
+                .map_err(|e| e.to_string())
+        }
+        None if context.is_some() => Config::from_kubeconfig(&options)
+            .await
+            .map_err(|e| e.to_string()),
+        None => Config::infer().await.map_err(|e| e.to_string()),
+    }
+    .map_err(|e| format!("no usable kubeconfig: {e}"))?;
+    Client::try_from(config).map_err(|e| format!("cannot build a client: {e}"))
+}
+
+/// The resource of `kind` in `namespace`.
+pub fn api(client: &Client, kind: Kind, namespace: &str) -> Api<DynamicObject> {
+    let resource = match kind {
+        Kind::Backup => ApiResource::erase::<PodVolumeBackup>(&()),
+        Kind::Restore => ApiResource::erase::<PodVolumeRestore>(&()),
+    };
+    Api::namespaced_with(client.clone(), namespace, &resource)
+}
+
+/// The label selector for one Velero backup/restore, or for all of them.
+pub fn selector(kind: Kind, name: Option<&str>) -> String {
+    match name {
+        Some(n) => format!("{}={n}", kind.group_label()),
+        None => kind.group_label().to_string(),
+    }
+}
+
+/// Every object matching `selector`, page by page.
+pub async fn list(
+    api: &Api<DynamicObject>,
+    kind: Kind,
+    selector: &str,
+) -> Result<Vec<Value>, String> {
+    let mut out = Vec::new();
+    let mut params = ListParams::default().labels(selector).limit(500);
+    loop {
+        let page = api
+            .list(&params)
+            .await
+            .map_err(|e| explain(kind, "list", api, e))?;
+        out.extend(
+            page.items
+                .iter()
+                .filter_map(|o| serde_json::to_value(o).ok()),
+        );
+        match page.metadata.continue_.filter(|c| !c.is_empty()) {
+            Some(c) => params = params.continue_token(&c),
+            None => return Ok(out),
+        }
+    }
+}
+
+/// What a watch tells the tracker.
+pub enum Change {
+    /// An object as it is now (listed or changed).
+    Seen(Value),
+    Deleted(Value),
+    /// A re-list starts: what it does not show again is gone.
+    RelistStart,
+    RelistDone,
+    /// The watch failed; it is retried with backoff.
+    Error(String),
+}
+
+/// A watch of the objects matching `selector`, re-listing after errors (kube's watcher).
+pub fn watch(api: Api<DynamicObject>, selector: &str) -> impl Stream<Item = Change> + Send + use<> {
+    let config = watcher::Config::default().labels(selector);
+    watcher::watcher(api, config)
+        .default_backoff()
+        .map(|event| match event {
+            Ok(watcher::Event::Apply(o) | watcher::Event::InitApply(o)) => {
+                Change::Seen(serde_json::to_value(o).unwrap_or_default())
+            }
+            Ok(watcher::Event::Delete(o)) => {
+                Change::Deleted(serde_json::to_value(o).unwrap_or_default())
+            }
+            Ok(watcher::Event::Init) => Change::RelistStart,
+            Ok(watcher::Event::InitDone) => Change::RelistDone,
+            Err(e) => Change::Error(e.to_string()),
+        })
+}
+
+/// What `cancel` did to one object.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CancelOutcome {
+    Requested,
+    AlreadyRequested,
+    /// Terminal: nothing to stop.
+    Finished,
+}
+
+/// Sets `spec.cancel: true` on one object unless it is finished or already asked to stop. A
+/// merge patch of `spec.cancel` alone: status is never sent, so no agent's write is undone
+/// whichever CRD flavour the cluster has.
+pub async fn cancel(
+    api: &Api<DynamicObject>,
+    kind: Kind,
+    volume: &Volume,
+) -> Result<CancelOutcome, String> {
+    if volume.state().is_terminal() {
+        return Ok(CancelOutcome::Finished);
+    }
+    if volume.cancel_requested {
+        return Ok(CancelOutcome::AlreadyRequested);
+    }
+    api.patch(
+        &volume.name,
+        &PatchParams::default(),
+        &Patch::Merge(json!({"spec": {"cancel": true}})),
+    )
+    .await
+    .map_err(|e| explain(kind, "patch", api, e))?;
+    Ok(CancelOutcome::Requested)
+}
+
+/// An API error in the words a user needs: what was refused and what permission it takes.
+fn explain(kind: Kind, verb: &str, api: &Api<DynamicObject>, e: kube::Error) -> String {
+    let resource = format!("{}s.velero.io", kind.resource());
+    let ns = api.namespace().unwrap_or("");
+    match &e {
+        kube::Error::Api(s) if s.code == 403 => format!(
+            "forbidden: you may not {verb} {resource} in namespace {ns} ({}); kubectl podvolume needs get, list and watch on podvolumebackups and podvolumerestores (and patch to cancel)",
+            s.message
+        ),
+        kube::Error::Api(s) if s.code == 404 => format!(
+            "the API server does not serve {resource} in namespace {ns}: is Velero (or podvolume-agent's CRDs) installed? ({})",
+            s.message
+        ),
+        _ => format!("cannot {verb} {resource} in namespace {ns}: {e}"),
+    }
+}
