@@ -4,8 +4,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::Pod;
-use kube::runtime::controller::Action;
 use kube::api::ListParams;
+use kube::runtime::controller::Action;
 use kube::{Api, ResourceExt};
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
@@ -380,13 +380,25 @@ mod tests {
         other_location.spec.backup_storage_location = "secondary".into();
         let mut other_uploader = pvb("kop", "node-b", "pvc-1", "2026-12-01T05:00:00Z", "k0p00000");
         other_uploader.spec.uploader_type = Some(crate::crd::UploaderType::Kopia);
-        let mut failed = pvb("fail", "node-b", "pvc-1", "2026-12-01T06:00:00Z", "fa110000");
+        let mut failed = pvb(
+            "fail",
+            "node-b",
+            "pvc-1",
+            "2026-12-01T06:00:00Z",
+            "fa110000",
+        );
         failed.status.as_mut().unwrap().phase = Some(Phase::Failed);
         let no_snapshot = pvb("empty", "node-b", "pvc-1", "2026-12-01T06:00:00Z", "");
         let listed = vec![
             pvb("old", "node-b", "pvc-1", "2026-12-01T01:00:00Z", "0ld00000"),
             pvb("new", "node-c", "pvc-1", "2026-12-01T02:00:00Z", "4e300000"),
-            pvb("other-claim", "node-b", "pvc-2", "2026-12-01T03:00:00Z", "0th00000"),
+            pvb(
+                "other-claim",
+                "node-b",
+                "pvc-2",
+                "2026-12-01T03:00:00Z",
+                "0th00000",
+            ),
             other_location,
             other_uploader,
             failed,
@@ -398,10 +410,19 @@ mod tests {
             Some("4e300000")
         );
         // The backup itself is in the list once it exists; a finished retry must not be its own parent.
-        let mut itself = pvb("next", "node-a", "pvc-1", "2026-12-03T01:00:00Z", "5e1f0000");
+        let mut itself = pvb(
+            "next",
+            "node-a",
+            "pvc-1",
+            "2026-12-03T01:00:00Z",
+            "5e1f0000",
+        );
         itself.metadata.uid = next.metadata.uid.clone();
         let with_itself: Vec<_> = listed.into_iter().chain([itself]).collect();
-        assert_eq!(parent_among(with_itself, &next).as_deref(), Some("4e300000"));
+        assert_eq!(
+            parent_among(with_itself, &next).as_deref(),
+            Some("4e300000")
+        );
         let unlabelled = {
             let mut n = next.clone();
             n.metadata.labels = None;
