@@ -891,32 +891,67 @@ async fn incremental_backup_uses_the_previous_backup_of_the_claim_as_parent() {
     let claim = json!({"velero.io/pvc-uid": "6f1d2c3b-claim-data"});
     let other_claim = json!({"velero.io/pvc-uid": "0a0a0a0a-claim-other"});
     let (first_pod, first_dirs) = env.create_pod("db-0", NODE, &["data"]).await;
-    Env::fill(&first_dirs["data"], &[("table.bin", 300_000), ("log.bin", 50_000)]);
+    Env::fill(
+        &first_dirs["data"],
+        &[("table.bin", 300_000), ("log.bin", 50_000)],
+    );
     let mut agent = env.start_agent(NODE, &[]);
     agent.wait_ready(LONG).await;
     let ended = [Phase::Completed, Phase::Failed, Phase::Canceled];
 
-    env.create_pvb_with("pvb-first", &first_pod, "data", NODE, claim.clone(), json!({}))
-        .await;
+    env.create_pvb_with(
+        "pvb-first",
+        &first_pod,
+        "data",
+        NODE,
+        claim.clone(),
+        json!({}),
+    )
+    .await;
     let first = env.wait_pvb("pvb-first", &ended, LONG).await;
-    assert_eq!(status(&first).phase, Some(Phase::Completed), "{}", agent.logs());
+    assert_eq!(
+        status(&first).phase,
+        Some(Phase::Completed),
+        "{}",
+        agent.logs()
+    );
     let first_snapshot = status(&first).snapshot_id.clone().unwrap();
 
     let (other_pod, other_dirs) = env.create_pod("cache-0", NODE, &["data"]).await;
     Env::fill(&other_dirs["data"], &[("c.bin", 10_000)]);
-    env.create_pvb_with("pvb-other", &other_pod, "data", NODE, other_claim, json!({}))
-        .await;
+    env.create_pvb_with(
+        "pvb-other",
+        &other_pod,
+        "data",
+        NODE,
+        other_claim,
+        json!({}),
+    )
+    .await;
     let other = env.wait_pvb("pvb-other", &ended, LONG).await;
-    assert_eq!(status(&other).phase, Some(Phase::Completed), "{}", agent.logs());
+    assert_eq!(
+        status(&other).phase,
+        Some(Phase::Completed),
+        "{}",
+        agent.logs()
+    );
 
     // The claim's pod was replaced: the same data under a new pod UID, plus one new file.
     let (second_pod, second_dirs) = env.create_pod("db-0-new", NODE, &["data"]).await;
-    Env::fill(&second_dirs["data"], &[("table.bin", 300_000), ("log.bin", 50_000)]);
+    Env::fill(
+        &second_dirs["data"],
+        &[("table.bin", 300_000), ("log.bin", 50_000)],
+    );
     std::fs::write(second_dirs["data"].join("new.txt"), b"appended").unwrap();
     env.create_pvb_with("pvb-second", &second_pod, "data", NODE, claim, json!({}))
         .await;
     let second = env.wait_pvb("pvb-second", &ended, LONG).await;
-    assert_eq!(status(&second).phase, Some(Phase::Completed), "{}", agent.logs());
+    assert_eq!(
+        status(&second).phase,
+        Some(Phase::Completed),
+        "{}",
+        agent.logs()
+    );
     let second_snapshot = status(&second).snapshot_id.clone().unwrap();
 
     let snapshots = env.restic_snapshots();
