@@ -56,7 +56,7 @@ export PODVOLUME_TEST_RESTIC=$restic_new PODVOLUME_TEST_RESTIC_VERSION=0.18.0
 echo "== pass 2: restic suites with $("$restic_new" version) ($restic_new) =="
 run cargo test --test restic_engine --test cli -- --skip upgrade_014_to_018
 run cargo test --test e2e -- backup_with_progress cancel_mid_backup deleting_a_running \
-  exit_3 empty_volume restore_ restic_under_test
+  exit_3 empty_volume restore_ incremental_backup_uses restic_under_test
 run cargo test --test restic_engine --test cli --test e2e -- --show-output restic_under_test
 
 echo "== all tests passed with restic $(restic version | awk '{print $2}') and $PODVOLUME_TEST_RESTIC_VERSION in $(($(date +%s) - started)) s =="

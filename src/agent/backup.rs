@@ -4,6 +4,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::Pod;
+use kube::api::ListParams;
 use kube::runtime::controller::Action;
 use kube::{Api, ResourceExt};
 use serde_json::{Value, json};
@@ -271,7 +272,7 @@ async fn prepare(ctx: &Context, pvb: &PodVolumeBackup) -> Result<Prepared, Strin
         .into_iter()
         .collect();
     let parent = if uploader == UploaderKind::Restic {
-        parent_snapshot(ctx, pvb)
+        parent_snapshot(ctx, pvb).await
     } else {
         None
     };
@@ -300,46 +301,26 @@ async fn prepare(ctx: &Context, pvb: &PodVolumeBackup) -> Result<Prepared, Strin
     })
 }
 
-/// What the watch cache keeps of each PodVolumeBackup. This node's are kept whole (only
-/// `managedFields` go); of other nodes' only what [`parent_snapshot`] reads, so thousands of
-/// finished backups of the whole cluster cost little memory.
-pub fn slim_for(node: String) -> impl FnMut(&mut PodVolumeBackup) + Send + 'static {
-    move |o| {
-        o.metadata.managed_fields = None;
-        if o.spec.node == node {
-            return;
-        }
-        let m = &mut o.metadata;
-        m.annotations = None;
-        m.owner_references = None;
-        m.finalizers = None;
-        if let Some(labels) = &mut m.labels {
-            labels.retain(|k, _| k == PVC_UID_LABEL);
-        }
-        o.spec.pod = Default::default();
-        o.spec.volume = String::new();
-        o.spec.repo_identifier = String::new();
-        o.spec.tags = None;
-        o.spec.uploader_settings = None;
-        if let Some(st) = &mut o.status {
-            st.path = None;
-            st.message = None;
-            st.start_timestamp = None;
-            st.accepted_timestamp = None;
-            st.progress = None;
-            st.incremental_bytes = None;
+/// The snapshot of the most recent Completed backup of the same claim, storage location and
+/// uploader, as Velero chose the parent. One label-selected list (`velero.io/pvc-uid`, which Velero
+/// sets on every claim's PodVolumeBackup) when the backup starts: the watch cache holds only this
+/// node's objects, and the previous backup of a claim may have run on any node. If the list
+/// fails the backup runs without a parent: every file is read again, nothing is lost.
+pub async fn parent_snapshot(ctx: &Context, pvb: &PodVolumeBackup) -> Option<String> {
+    let pvc_uid = pvb.labels().get(PVC_UID_LABEL)?;
+    let api: Api<PodVolumeBackup> = Api::namespaced(ctx.client.clone(), &ctx.args.namespace);
+    let selector = format!("{PVC_UID_LABEL}={pvc_uid}");
+    match api.list(&ListParams::default().labels(&selector)).await {
+        Ok(list) => parent_among(list.items, pvb),
+        Err(e) => {
+            tracing::warn!(error = %e, %selector, "cannot list the previous backups of this claim; backing up without a parent (every file is read)");
+            None
         }
     }
 }
 
-/// The snapshot of the most recent Completed backup of the same claim, storage location and
-/// uploader, as Velero chose the parent. Read from the watch cache: no API call.
-pub fn parent_snapshot(ctx: &Context, pvb: &PodVolumeBackup) -> Option<String> {
-    parent_among(ctx.pvb_store.state(), pvb)
-}
-
 fn parent_among(
-    known: impl IntoIterator<Item = Arc<PodVolumeBackup>>,
+    known: impl IntoIterator<Item = PodVolumeBackup>,
     pvb: &PodVolumeBackup,
 ) -> Option<String> {
     let pvc_uid = pvb.labels().get(PVC_UID_LABEL)?.clone();
@@ -389,21 +370,26 @@ mod tests {
         .unwrap()
     }
 
+    /// The objects a `velero.io/pvc-uid` list returns (plus one of another claim, which a list
+    /// never returns but the choice must still ignore): the parent is the latest Completed one of
+    /// the same claim, storage location and uploader, whichever node ran it, never the backup
+    /// itself.
     #[test]
-    fn slimming_keeps_this_nodes_objects_whole_and_every_parent_choice() {
-        let mut slim = slim_for("node-a".into());
-        let mut own = pvb("own", "node-a", "pvc-1", "2026-12-01T01:00:00Z", "aaaa1111");
-        let whole = own.clone();
-        slim(&mut own);
-        assert!(own.metadata.managed_fields.is_none());
-        own.metadata.managed_fields = whole.metadata.managed_fields.clone();
-        assert_eq!(
-            serde_json::to_value(&own).unwrap(),
-            serde_json::to_value(&whole).unwrap(),
-            "this node's objects are kept whole"
+    fn parent_is_the_latest_completed_backup_of_the_same_claim_location_and_uploader() {
+        let mut other_location = pvb("loc", "node-b", "pvc-1", "2026-12-01T05:00:00Z", "10c00000");
+        other_location.spec.backup_storage_location = "secondary".into();
+        let mut other_uploader = pvb("kop", "node-b", "pvc-1", "2026-12-01T05:00:00Z", "k0p00000");
+        other_uploader.spec.uploader_type = Some(crate::crd::UploaderType::Kopia);
+        let mut failed = pvb(
+            "fail",
+            "node-b",
+            "pvc-1",
+            "2026-12-01T06:00:00Z",
+            "fa110000",
         );
-
-        let known: Vec<_> = [
+        failed.status.as_mut().unwrap().phase = Some(Phase::Failed);
+        let no_snapshot = pvb("empty", "node-b", "pvc-1", "2026-12-01T06:00:00Z", "");
+        let listed = vec![
             pvb("old", "node-b", "pvc-1", "2026-12-01T01:00:00Z", "0ld00000"),
             pvb("new", "node-c", "pvc-1", "2026-12-01T02:00:00Z", "4e300000"),
             pvb(
@@ -413,21 +399,35 @@ mod tests {
                 "2026-12-01T03:00:00Z",
                 "0th00000",
             ),
-        ]
-        .into_iter()
-        .collect();
+            other_location,
+            other_uploader,
+            failed,
+            no_snapshot,
+        ];
         let next = pvb("next", "node-a", "pvc-1", "2026-12-02T01:00:00Z", "");
-        let full: Vec<_> = known.iter().cloned().map(Arc::new).collect();
-        let slimmed: Vec<_> = known
-            .into_iter()
-            .map(|mut o| {
-                slim(&mut o);
-                assert!(o.spec.tags.is_none() && o.metadata.annotations.is_none());
-                assert!(o.status.as_ref().unwrap().path.is_none());
-                Arc::new(o)
-            })
-            .collect();
-        assert_eq!(parent_among(full, &next).as_deref(), Some("4e300000"));
-        assert_eq!(parent_among(slimmed, &next).as_deref(), Some("4e300000"));
+        assert_eq!(
+            parent_among(listed.clone(), &next).as_deref(),
+            Some("4e300000")
+        );
+        // The backup itself is in the list once it exists; a finished retry must not be its own parent.
+        let mut itself = pvb(
+            "next",
+            "node-a",
+            "pvc-1",
+            "2026-12-03T01:00:00Z",
+            "5e1f0000",
+        );
+        itself.metadata.uid = next.metadata.uid.clone();
+        let with_itself: Vec<_> = listed.into_iter().chain([itself]).collect();
+        assert_eq!(
+            parent_among(with_itself, &next).as_deref(),
+            Some("4e300000")
+        );
+        let unlabelled = {
+            let mut n = next.clone();
+            n.metadata.labels = None;
+            n
+        };
+        assert_eq!(parent_among(Vec::new(), &unlabelled), None);
     }
 }

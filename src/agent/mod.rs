@@ -56,7 +56,6 @@ pub struct Context {
     pub registry: Registry,
     pub metrics: Arc<Metrics>,
     pub recorder: Recorder,
-    pub pvb_store: Store<PodVolumeBackup>,
     pub state: StateDir,
     /// Set on SIGTERM/SIGINT: stop claiming, stop children, leave objects for the next start.
     pub shutdown: CancellationToken,
@@ -221,16 +220,16 @@ async fn log_controller_result<T: std::fmt::Debug, E: std::fmt::Display>(r: Resu
 const RECONCILE_CONCURRENCY: u16 = 16;
 
 /// A controller over a watch whose first complete list sets `synced`.
-/// `slim` trims each object before it is cached: the cache holds every object of the namespace,
-/// most of them other nodes', and is most of the agent's memory on a busy cluster. Only objects
-/// for which `relevant` holds are reconciled: after a restart with thousands of other nodes'
-/// objects in the first list, reconciling each (to return at once) would cost a burst of memory
-/// for nothing.
+/// Only objects for which `ours` holds enter the cache and are reconciled; the others are dropped
+/// as each list page or watch event is decoded. The namespace may hold 100,000 finished
+/// PodVolumeBackups of other nodes (Velero keeps one per volume per backup): caching them, even
+/// trimmed, made the agent's memory grow with the cluster (about 3 KB per object). `slim` trims
+/// what is kept (`managedFields`, which nothing reads).
 fn controller_for<K>(
     api: Api<K>,
     synced: Arc<AtomicBool>,
     slim: impl FnMut(&mut K) + Send + 'static,
-    relevant: impl Fn(&K) -> bool + Send + 'static,
+    ours: impl Fn(&K) -> bool + Send + Sync + 'static,
 ) -> (Controller<K>, Store<K>)
 where
     K: kube::Resource<DynamicType = ()>
@@ -245,6 +244,14 @@ where
     let (reader, writer) = kube::runtime::reflector::store();
     let stream = watcher(api, watcher::Config::default())
         .default_backoff()
+        .try_filter(move |ev| {
+            std::future::ready(match ev {
+                watcher::Event::Apply(o)
+                | watcher::Event::InitApply(o)
+                | watcher::Event::Delete(o) => ours(o),
+                watcher::Event::Init | watcher::Event::InitDone => true,
+            })
+        })
         .modify(slim)
         .inspect(move |ev| {
             if let Ok(watcher::Event::InitDone) = ev {
@@ -252,8 +259,7 @@ where
             }
         })
         .reflect(writer)
-        .touched_objects()
-        .try_filter(move |o| std::future::ready(relevant(o)));
+        .touched_objects();
     // Reconciles return at once; a bound keeps a burst of triggers from being a burst of memory.
     let config = kube::runtime::controller::Config::default().concurrency(RECONCILE_CONCURRENCY);
     (
@@ -339,10 +345,10 @@ pub async fn run(args: RunArgs) -> i32 {
     let pvb_synced = Arc::new(AtomicBool::new(false));
     let pvr_synced = Arc::new(AtomicBool::new(false));
     let node = args.node_name.clone();
-    let (pvb_controller, pvb_store) = controller_for(
+    let (pvb_controller, _pvb_store) = controller_for(
         pvbs,
         pvb_synced.clone(),
-        backup::slim_for(args.node_name.clone()),
+        |o: &mut PodVolumeBackup| o.metadata.managed_fields = None,
         move |o: &PodVolumeBackup| o.spec.node == node,
     );
     // A PodVolumeRestore names no node; which one it is for is found from its pod.
@@ -362,7 +368,6 @@ pub async fn run(args: RunArgs) -> i32 {
         engine,
         registry: registry.clone(),
         metrics,
-        pvb_store: pvb_store.clone(),
         state,
         shutdown: shutdown.clone(),
         pvb_status_subresource: pvb_sub,

@@ -81,6 +81,14 @@ pub async fn monitor<K: VolumeObject>(
         .map(|d| tokio::time::Instant::now() + d);
     let far = tokio::time::Instant::now() + Duration::from_secs(100 * 365 * 86_400);
     let mut last_written: Option<(u64, u64, String)> = None;
+    // Progress is written when a newer value arrives and at least one interval has passed since
+    // the last write, or at the first moment it has: the published value is never older than
+    // one interval, and nothing is written while nothing changes. A fixed tick could just miss a
+    // value and publish it almost an interval later (BENCHMARKS.md case 3).
+    let mut updates = op.subscribe();
+    let mut updates_open = true;
+    let mut last_write_at: Option<tokio::time::Instant> = None;
+    let mut pending = false;
     let mut last_bytes = 0u64;
     let mut last_change = Instant::now();
     let mut stall_reported = false;
@@ -110,7 +118,43 @@ pub async fn monitor<K: VolumeObject>(
             _ = tokio::time::sleep_until(timeout_at.unwrap_or(far)), if timeout_at.is_some() && !canceling => {
                 ctx.registry.cancel(uid, CancelReason::Timeout);
             }
+            changed = updates.changed(), if updates_open => {
+                if changed.is_err() {
+                    updates_open = false;
+                    continue;
+                }
+                let key = write_key(&updates.borrow_and_update());
+                pending = last_written.as_ref() != Some(&key);
+            }
+            _ = tokio::time::sleep_until(last_write_at.map_or_else(tokio::time::Instant::now, |t| t + args.update_interval)), if pending && !canceling => {
+                let p = op.progress();
+                let key = write_key(&p);
+                pending = false;
+                if last_written.as_ref() == Some(&key) {
+                    continue;
+                }
+                last_write_at = Some(tokio::time::Instant::now());
+                let mut patch = progress_status(&p);
+                patch["message"] = Value::String(p.description.clone());
+                match writer.write(Some(patch), None).await {
+                    Ok(_) => last_written = Some(key),
+                    Err(WriteError::Terminal(phase)) => {
+                        tracing::warn!(?phase, "someone else finished the object; stopping the transfer");
+                        ctx.registry.cancel(uid, CancelReason::Requested);
+                    }
+                    Err(WriteError::Gone) => {
+                        tracing::warn!("the object was deleted; stopping the transfer");
+                        ctx.registry.cancel(uid, CancelReason::Deleted);
+                    }
+                    // Tried again one interval later with the newest value.
+                    Err(e) => {
+                        tracing::warn!(error = %e, "progress write failed");
+                        pending = true;
+                    }
+                }
+            }
             _ = tick.tick() => {
+                // Stall detection and the throughput metric; status writes are above.
                 let p = op.progress();
                 if p.n_completed != last_bytes {
                     last_bytes = p.n_completed;
@@ -131,25 +175,6 @@ pub async fn monitor<K: VolumeObject>(
                     }
                 }
                 ctx.metrics.set_throughput(direction, rate_of(&p, op));
-                let key = write_key(&p);
-                if canceling || last_written.as_ref() == Some(&key) {
-                    continue;
-                }
-                let mut patch = progress_status(&p);
-                patch["message"] = Value::String(p.description.clone());
-                match writer.write(Some(patch), None).await {
-                    Ok(_) => last_written = Some(key),
-                    Err(WriteError::Terminal(phase)) => {
-                        tracing::warn!(?phase, "someone else finished the object; stopping the transfer");
-                        ctx.registry.cancel(uid, CancelReason::Requested);
-                    }
-                    Err(WriteError::Gone) => {
-                        tracing::warn!("the object was deleted; stopping the transfer");
-                        ctx.registry.cancel(uid, CancelReason::Deleted);
-                    }
-                    // Kept for the next tick, which writes the newest value.
-                    Err(e) => tracing::warn!(error = %e, "progress write failed"),
-                }
             }
         }
     }

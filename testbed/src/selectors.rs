@@ -87,6 +87,10 @@ impl LabelSelector {
         Ok(LabelSelector(reqs))
     }
 
+    pub(crate) fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
     pub(crate) fn matches(&self, obj: &Value) -> bool {
         let labels = obj.pointer("/metadata/labels").and_then(Value::as_object);
         let get = |k: &str| labels.and_then(|l| l.get(k)).and_then(Value::as_str);
@@ -134,6 +138,10 @@ impl FieldSelector {
             reqs.push((field.to_string(), equal, value.trim().to_string()));
         }
         Ok(FieldSelector(reqs))
+    }
+
+    pub(crate) fn is_empty(&self) -> bool {
+        self.0.is_empty()
     }
 
     pub(crate) fn matches(&self, obj: &Value) -> bool {

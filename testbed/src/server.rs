@@ -507,27 +507,40 @@ impl ResourceRequest {
                 let page = Page::from_query(query)?;
                 let store = lock(&shared.store);
                 let rv = page.after.as_ref().map_or(store.rv, |(rv, _)| *rv);
-                // Objects come in key order (namespace, name), as from etcd.
+                // Objects come in key order (namespace, name), as from etcd, read from the
+                // page's start on: a page costs what it holds.
+                let after = page.after.as_ref().map(|(_, key)| {
+                    let (ns, name) = key.split_once('/').unwrap_or(("", key.as_str()));
+                    (ns.to_string(), name.to_string())
+                });
                 let mut matching = store
-                    .list(res, self.ns())
-                    .into_iter()
-                    .filter(|o| label.matches(o) && field.matches(o))
-                    .filter(|o| {
-                        page.after
-                            .as_ref()
-                            .is_none_or(|(_, key)| &object_key(o) > key)
-                    });
+                    .list_after(
+                        res,
+                        self.ns(),
+                        after.as_ref().map(|(a, b)| (a.as_str(), b.as_str())),
+                    )
+                    .filter(|o| label.matches(o) && field.matches(o));
                 let items: Vec<Value> = matching
                     .by_ref()
                     .take(page.limit.unwrap_or(usize::MAX))
+                    .cloned()
                     .map(|o| output(o, res, &self.version))
                     .collect();
-                let remaining = matching.count();
+                // A real server counts the rest only without selectors (etcd counts keys); with
+                // them it only knows whether more may follow.
+                let (more, remaining) = if label.is_empty() && field.is_empty() {
+                    let n = matching.count();
+                    (n > 0, Some(n))
+                } else {
+                    (matching.next().is_some(), None)
+                };
                 let mut metadata = json!({"resourceVersion": rv.to_string()});
-                if remaining > 0 {
+                if more {
                     let last = items.last().map(object_key).unwrap_or_default();
                     metadata["continue"] = Value::String(continue_token(rv, &last));
-                    metadata["remainingItemCount"] = json!(remaining);
+                    if let Some(n) = remaining {
+                        metadata["remainingItemCount"] = json!(n);
+                    }
                 }
                 Ok(json_response(
                     200,

@@ -12,6 +12,7 @@ use harness::*;
 use nix::sys::signal::Signal;
 use podvolume_agent::crd::{Phase, PodVolumeBackup};
 use podvolume_testbed::RequestMatch;
+use serde_json::json;
 
 const LONG: Duration = Duration::from_secs(120);
 
@@ -886,4 +887,96 @@ async fn a_result_saved_during_an_outage_is_reported_after_a_restart_without_rer
 #[test]
 fn restic_under_test_is_the_requested_version() {
     assert_requested_version();
+}
+
+/// The second backup of a claim, from another pod (so another path, where restic would find no
+/// parent by itself), uses the first backup's snapshot as its parent: the agent found it with a
+/// `velero.io/pvc-uid` list, though its watch cache holds only this node's objects. A backup of
+/// another claim finished in between is not chosen. restic records the parent in the snapshot.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn incremental_backup_uses_the_previous_backup_of_the_claim_as_parent() {
+    let env = Env::new(Flavour::Velero).await;
+    let claim = json!({"velero.io/pvc-uid": "6f1d2c3b-claim-data"});
+    let other_claim = json!({"velero.io/pvc-uid": "0a0a0a0a-claim-other"});
+    let (first_pod, first_dirs) = env.create_pod("db-0", NODE, &["data"]).await;
+    Env::fill(
+        &first_dirs["data"],
+        &[("table.bin", 300_000), ("log.bin", 50_000)],
+    );
+    let mut agent = env.start_agent(NODE, &[]);
+    agent.wait_ready(LONG).await;
+    let ended = [Phase::Completed, Phase::Failed, Phase::Canceled];
+
+    env.create_pvb_with(
+        "pvb-first",
+        &first_pod,
+        "data",
+        NODE,
+        claim.clone(),
+        json!({}),
+    )
+    .await;
+    let first = env.wait_pvb("pvb-first", &ended, LONG).await;
+    assert_eq!(
+        status(&first).phase,
+        Some(Phase::Completed),
+        "{}",
+        agent.logs()
+    );
+    let first_snapshot = status(&first).snapshot_id.clone().unwrap();
+
+    let (other_pod, other_dirs) = env.create_pod("cache-0", NODE, &["data"]).await;
+    Env::fill(&other_dirs["data"], &[("c.bin", 10_000)]);
+    env.create_pvb_with(
+        "pvb-other",
+        &other_pod,
+        "data",
+        NODE,
+        other_claim,
+        json!({}),
+    )
+    .await;
+    let other = env.wait_pvb("pvb-other", &ended, LONG).await;
+    assert_eq!(
+        status(&other).phase,
+        Some(Phase::Completed),
+        "{}",
+        agent.logs()
+    );
+
+    // The claim's pod was replaced: the same data under a new pod UID, plus one new file.
+    let (second_pod, second_dirs) = env.create_pod("db-0-new", NODE, &["data"]).await;
+    Env::fill(
+        &second_dirs["data"],
+        &[("table.bin", 300_000), ("log.bin", 50_000)],
+    );
+    std::fs::write(second_dirs["data"].join("new.txt"), b"appended").unwrap();
+    env.create_pvb_with("pvb-second", &second_pod, "data", NODE, claim, json!({}))
+        .await;
+    let second = env.wait_pvb("pvb-second", &ended, LONG).await;
+    assert_eq!(
+        status(&second).phase,
+        Some(Phase::Completed),
+        "{}",
+        agent.logs()
+    );
+    let second_snapshot = status(&second).snapshot_id.clone().unwrap();
+
+    let snapshots = env.restic_snapshots();
+    let find = |id: &str| {
+        snapshots
+            .iter()
+            .find(|s| s["id"].as_str().is_some_and(|full| full.starts_with(id)))
+            .unwrap_or_else(|| panic!("snapshot {id} not in {snapshots:?}"))
+            .clone()
+    };
+    let first_full = find(&first_snapshot)["id"].as_str().unwrap().to_string();
+    let second = find(&second_snapshot);
+    assert_eq!(
+        second["parent"].as_str(),
+        Some(first_full.as_str()),
+        "the second backup's parent: {second}\n{}",
+        agent.logs()
+    );
+    env.cleanup().await;
 }
