@@ -24,6 +24,10 @@ command -v rclone >/dev/null || need+=(rclone)
 command -v setpriv >/dev/null || need+=(util-linux)
 # tmux: a real terminal for the kubectl-podvolume live view test (tests/plugin.rs).
 command -v tmux >/dev/null || need+=(tmux)
+# python3 + venv: moto's S3 server (scripts/install-moto.sh, PyPI). openssl: the tests' own CA
+# and server certificate for S3 over TLS.
+command -v python3 >/dev/null || need+=(python3 python3-venv)
+command -v openssl >/dev/null || need+=(openssl)
 command -v curl >/dev/null || need+=(curl ca-certificates)
 command -v gpgv >/dev/null || need+=(gpgv)
 command -v xz >/dev/null || need+=(xz-utils)
@@ -34,10 +38,8 @@ if [ ${#need[@]} -gt 0 ]; then
   [ "$(id -u)" -eq 0 ] || sudo=sudo
   $sudo apt-get install -y "${need[@]}" || { $sudo apt-get update && $sudo apt-get install -y "${need[@]}"; }
 fi
-# The S3 server of the object-storage tests.
-if [ -x scripts/install-moto.sh ]; then
-  scripts/install-moto.sh
-fi
+# The S3 server of the object-storage tests (moto, in a venv under target/test-tools/).
+scripts/install-moto.sh
 restic_new=$(scripts/fetch-restic-trixie.sh)
 
 run() { echo "+ $*"; "$@"; }
@@ -45,18 +47,20 @@ run() { echo "+ $*"; "$@"; }
 # Pass 1: every test, restic from PATH.
 echo "== pass 1: every test with $(restic version) ($(command -v restic)) =="
 run cargo test --workspace --no-fail-fast
-run cargo test --test restic_engine --test cli --test e2e -- --show-output restic_under_test
+run cargo test --test restic_engine --test cli --test s3_cli --test e2e -- --show-output restic_under_test
 
 # Pass 2: what depends on restic's own behaviour, with 0.18: the engine (backup, incremental,
-# exit 3, wrong password, missing repository, empty source, cancel, restore, locks) and the CLI
-# whole, and the end-to-end cases of progress, cancel, exit 3, empty volume and restore. The
+# exit 3, wrong password, missing repository, empty source, cancel, restore, locks), the CLI
+# whole (local and S3 over TLS), and the end-to-end cases of progress, cancel, exit 3, empty
+# volume, restore and object storage (BSLs, their failures, missing repositories). The
 # parser's 0.18 fixtures ran in pass 1 (they need no binary); so did the upgrade test, which
 # runs both versions itself.
 export PODVOLUME_TEST_RESTIC=$restic_new PODVOLUME_TEST_RESTIC_VERSION=0.18.0
 echo "== pass 2: restic suites with $("$restic_new" version) ($restic_new) =="
-run cargo test --test restic_engine --test cli -- --skip upgrade_014_to_018
+run cargo test --test restic_engine --test cli --test s3_cli -- --skip upgrade_014_to_018
 run cargo test --test e2e -- backup_with_progress cancel_mid_backup deleting_a_running \
-  exit_3 empty_volume restore_ incremental_backup_uses restic_under_test
-run cargo test --test restic_engine --test cli --test e2e -- --show-output restic_under_test
+  exit_3 empty_volume restore_ incremental_backup_uses restic_under_test \
+  two_locations location_failures missing_repository_is_created
+run cargo test --test restic_engine --test cli --test s3_cli --test e2e -- --show-output restic_under_test
 
 echo "== all tests passed with restic $(restic version | awk '{print $2}') and $PODVOLUME_TEST_RESTIC_VERSION in $(($(date +%s) - started)) s =="

@@ -135,9 +135,35 @@ pub struct RunArgs {
     /// `repository-password`, in the namespace, read through the API.
     #[arg(long, env = "REPO_PASSWORD_FILE")]
     pub repo_password_file: Option<PathBuf>,
-    /// Fail instead of initialising a repository that does not exist.
+    /// Create a repository that does not exist. Off by default: Velero's server creates
+    /// repositories before any PodVolumeBackup, so a missing one means the agent is looking in
+    /// the wrong place and the backup is Failed.
+    /// `--init-missing-repository=false` turns it off again (a later flag wins).
+    #[arg(
+        long,
+        env = "INIT_MISSING_REPOSITORY",
+        num_args = 0..=1,
+        require_equals = true,
+        default_value_t = false,
+        default_missing_value = "true",
+        action = clap::ArgAction::Set,
+        value_parser = clap::builder::BoolishValueParser::new(),
+        conflicts_with = "no_init"
+    )]
+    pub init_missing_repository: bool,
+    /// Never create a missing repository. The default since `--init-missing-repository` exists;
+    /// kept so manifests that set it keep working.
     #[arg(long, env = "NO_INIT")]
     pub no_init: bool,
+    /// Credentials file for storage locations without `spec.credential` (Velero mounts the
+    /// Secret `cloud-credentials` here). Ignored when it does not exist (e.g. IAM roles for
+    /// service accounts).
+    #[arg(
+        long,
+        env = "DEFAULT_CREDENTIALS_FILE",
+        default_value = "/credentials/cloud"
+    )]
+    pub default_credentials_file: PathBuf,
     /// Complete (instead of fail) backups where some files could not be read (restic exit 3);
     /// the snapshot ID is kept either way.
     #[arg(long, env = "PARTIAL_AS_COMPLETED")]
@@ -209,6 +235,15 @@ pub struct CommonArgs {
     /// Fail instead of initialising a repository that does not exist.
     #[arg(long)]
     pub no_init: bool,
+    /// PEM file with the CA certificate(s) of the object store (restic `--cacert`), for S3
+    /// servers behind a private CA. Cloud credentials come from the usual environment variables
+    /// (`AWS_ACCESS_KEY_ID`/`AWS_SECRET_ACCESS_KEY`, `AWS_SHARED_CREDENTIALS_FILE`/`AWS_PROFILE`,
+    /// `AZURE_ACCOUNT_NAME`/`AZURE_ACCOUNT_KEY`, `GOOGLE_APPLICATION_CREDENTIALS`).
+    #[arg(long, env = "PODVOLUME_CACERT", value_name = "FILE")]
+    pub cacert: Option<PathBuf>,
+    /// Accept any TLS certificate of the object store (restic `--insecure-tls`).
+    #[arg(long, env = "PODVOLUME_INSECURE_TLS")]
+    pub insecure_tls: bool,
     /// Private cache directory for the uploader (default: ~/.cache/podvolume-agent).
     #[arg(long, env = "PODVOLUME_CACHE_DIR")]
     pub cache_dir: Option<PathBuf>,

@@ -45,12 +45,24 @@ fn access(common: &CommonArgs) -> Result<RepositoryAccess, String> {
             common.password_file.display()
         ));
     }
+    // restic runs inside the source or target directory: relative paths are made absolute.
+    let ca_cert = match &common.cacert {
+        Some(f) => {
+            if let Err(e) = std::fs::metadata(f) {
+                return Err(format!("CA certificate file {}: {e}", f.display()));
+            }
+            Some(std::path::absolute(f).unwrap_or(f.clone()))
+        }
+        None => None,
+    };
     Ok(RepositoryAccess {
         repository: common.repo.clone(),
         password_file: std::path::absolute(&common.password_file)
             .unwrap_or(common.password_file.clone()),
         cache_dir,
         extra_env: Vec::new(),
+        ca_cert,
+        insecure_tls: common.insecure_tls,
     })
 }
 

@@ -71,9 +71,81 @@ pub fn truncate(s: &str, max: usize) -> String {
     format!("{}…", &s[..end])
 }
 
+/// Hides the password of URLs with credentials (`rest:https://user:secret@host/` ->
+/// `rest:https://user:***@host/`): restic repeats the repository URL in its messages.
+pub fn redact_url_credentials(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    let mut rest = s;
+    while let Some(i) = rest.find("://") {
+        let (head, tail) = rest.split_at(i + 3);
+        out.push_str(head);
+        let authority_end = tail
+            .find(|c: char| c == '/' || c == '"' || c == '\'' || c.is_whitespace())
+            .unwrap_or(tail.len());
+        let authority = &tail[..authority_end];
+        match authority.rfind('@') {
+            Some(at) => {
+                let userinfo = &authority[..at];
+                match userinfo.split_once(':') {
+                    Some((user, _password)) => {
+                        out.push_str(user);
+                        out.push_str(":***");
+                    }
+                    None => out.push_str(userinfo),
+                }
+                out.push_str(&authority[at..]);
+            }
+            None => out.push_str(authority),
+        }
+        rest = &tail[authority_end..];
+    }
+    out.push_str(rest);
+    out
+}
+
+/// Replaces every occurrence of each secret (of at least 4 bytes: shorter ones would hide
+/// ordinary words) by `***`.
+pub fn redact_secrets<S: AsRef<str>>(s: &str, secrets: &[S]) -> String {
+    let mut out = s.to_string();
+    for secret in secrets {
+        let secret = secret.as_ref();
+        if secret.len() >= 4 {
+            out = out.replace(secret, "***");
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn redacts_url_passwords_only() {
+        assert_eq!(
+            redact_url_credentials(
+                "no repository at rest:https://u:s3cr%40t@host:8000/repo: Get \"https://u:s3cr%40t@host:8000/repo/config\": x"
+            ),
+            "no repository at rest:https://u:***@host:8000/repo: Get \"https://u:***@host:8000/repo/config\": x"
+        );
+        assert_eq!(
+            redact_url_credentials("s3:https://127.0.0.1:9000/bkt/restic/ns"),
+            "s3:https://127.0.0.1:9000/bkt/restic/ns"
+        );
+        assert_eq!(
+            redact_url_credentials("https://user@h/x"),
+            "https://user@h/x"
+        );
+        assert_eq!(redact_url_credentials("plain text"), "plain text");
+    }
+
+    #[test]
+    fn redacts_secret_values() {
+        assert_eq!(
+            redact_secrets("key AKIA123 and s/e+cret", &["AKIA123", "s/e+cret", "ab"]),
+            "key *** and ***"
+        );
+    }
 
     #[test]
     fn strips_erase_line_and_colours() {

@@ -224,7 +224,13 @@ fn clear_errors_for_bad_input() {
         .unwrap();
     assert_eq!(out.status.code(), Some(1));
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("Is there a repository"), "{err}");
+    // The cause first, and where restic looked; not restic's bare question.
+    assert!(
+        err.contains(&format!("no repository at {}", bed.repo.display()))
+            && err.contains("no such file or directory")
+            && !err.contains("Is there a repository"),
+        "{err}"
+    );
     // The password never appears in anything the agent prints.
     assert!(!err.contains("correct horse"));
 }

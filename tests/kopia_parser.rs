@@ -329,6 +329,7 @@ impl Bed {
             password_file,
             cache_dir: dir.path().join("cache"),
             extra_env: Vec::new(),
+            ..Default::default()
         };
         Self { dir, access }
     }

@@ -553,6 +553,17 @@ fn daemonset_args_parse_with_the_agents_own_cli_and_mounts_match_the_flags() {
         "scratch is an emptyDir"
     );
 
+    // Velero's cloud-credentials Secret where --default-credentials-file looks, optional.
+    assert_eq!(
+        Path::new(&mount_path(&c, "cloud-credentials")).join("cloud"),
+        run.default_credentials_file
+    );
+    let creds = volume("cloud-credentials")
+        .secret
+        .expect("cloud-credentials is a Secret volume");
+    assert_eq!(creds.secret_name.as_deref(), Some("cloud-credentials"));
+    assert_eq!(creds.optional, Some(true), "not every installation has it");
+
     assert_eq!(Path::new(&mount_path(&c, "state")), run.state_dir);
     let state = volume("state")
         .host_path
@@ -1076,12 +1087,14 @@ const NEEDS: &[(Scope, &str, &str, &str, Option<&str>)] = &[
         "patch",
         None,
     ),
+    // The repository password and the Secrets BackupStorageLocations name (any name).
+    (Scope::Namespace, "", "secrets", "get", None),
     (
         Scope::Namespace,
-        "",
-        "secrets",
+        "velero.io",
+        "backupstoragelocations",
         "get",
-        Some("velero-repo-credentials"),
+        None,
     ),
     (Scope::Namespace, "events.k8s.io", "events", "create", None),
     (Scope::Namespace, "events.k8s.io", "events", "patch", None),
@@ -1280,12 +1293,16 @@ fn rbac_grants_nothing_else_and_no_wildcards() {
             }
         }
     }
-    // The repository password is the only Secret the agent may read.
+    // Secrets: read by name in the Velero namespace only; never listed or watched, never
+    // cluster-wide.
+    for r in &rbac.cluster_rules {
+        if grants(r, "", "secrets", "get", Some("some-other-secret")) {
+            problems.push(format!("reads Secrets of every namespace: {r:?}"));
+        }
+    }
     for r in rbac.cluster_rules.iter().chain(&rbac.namespace_rules) {
-        if grants(r, "", "secrets", "get", Some("some-other-secret"))
-            || grants(r, "", "secrets", "list", None)
-        {
-            problems.push(format!("reads other Secrets: {r:?}"));
+        if grants(r, "", "secrets", "list", None) || grants(r, "", "secrets", "watch", None) {
+            problems.push(format!("lists or watches Secrets: {r:?}"));
         }
     }
     assert!(problems.is_empty(), "{}", problems.join("\n"));

@@ -181,7 +181,7 @@ fn failures_are_classified_from_restic_014_text() {
         (
             "repo-missing",
             OutcomeKind::RepositoryMissing,
-            "Is there a repository at the following location?",
+            "no repository at /repo-nonexistent: unable to open config file: stat /repo-nonexistent/config: no such file or directory",
         ),
         (
             "repo-missing-emptydir",
@@ -578,4 +578,61 @@ fn v018_version_and_stats() {
     }
     let (total, files) = restic::parse_stats(&fixture("0.18/stats-restore-size.stdout")).unwrap();
     assert_eq!((total, files), (30_055_000, 13));
+}
+
+/// restic 0.14 against a real S3 server (moto) behind TLS, captured by
+/// `testdata/restic/capture-s3.sh`: the cause comes first, a repository that is not there is told
+/// from one that could not be read, and only the former may ever be initialised.
+#[test]
+fn object_storage_failures_carry_the_cause() {
+    let repo = "s3:https://127.0.0.1:PORT/bkt-a/restic/ns";
+    let cases = [
+        (
+            "s3-no-ca",
+            OutcomeKind::RepositoryUnreachable,
+            format!(
+                "cannot open the repository at {repo}: unable to open config file: Stat: Get \"https://127.0.0.1:PORT/bkt-a/?location=\": x509: certificate signed by unknown authority"
+            ),
+        ),
+        (
+            "s3-access-denied",
+            OutcomeKind::RepositoryUnreachable,
+            format!("cannot open the repository at {repo}: unable to open config file: Stat: Access Denied."),
+        ),
+        (
+            "s3-unknown-key",
+            OutcomeKind::RepositoryUnreachable,
+            format!(
+                "cannot open the repository at {repo}: unable to open config file: Stat: The AWS Access Key Id you provided does not exist in our records."
+            ),
+        ),
+        (
+            "s3-wrong-secret",
+            OutcomeKind::RepositoryUnreachable,
+            format!(
+                "cannot open the repository at {repo}: unable to open config file: Stat: The request signature we calculated does not match the signature you provided. Check your key and signing method."
+            ),
+        ),
+        (
+            "s3-dns",
+            OutcomeKind::RepositoryUnreachable,
+            "cannot open the repository at s3:https://no-such-host.invalid/bkt-a/restic/ns: unable to open config file: Stat: Get \"https://no-such-host.invalid/bkt-a/?location=\": dial tcp: lookup no-such-host.invalid on 10.255.255.53:53: no such host".to_string(),
+        ),
+        (
+            "s3-repo-missing",
+            OutcomeKind::RepositoryMissing,
+            format!("no repository at {repo}: unable to open config file: Stat: The specified key does not exist."),
+        ),
+        (
+            "s3-no-such-bucket",
+            OutcomeKind::RepositoryMissing,
+            "no repository at s3:https://127.0.0.1:PORT/bkt-missing/restic/ns: unable to open config file: Stat: The specified bucket does not exist".to_string(),
+        ),
+    ];
+    for (case, kind, message) in cases {
+        let (_, o) = classify(case, Direction::Backup, false);
+        assert_eq!(o.kind, kind, "{case}: {o:?}");
+        assert_eq!(o.message, message, "{case}");
+        assert!(!o.message.contains('\u{1b}'), "{case}");
+    }
 }

@@ -62,12 +62,19 @@ impl Bed {
         std::fs::create_dir_all(work).unwrap();
         let server = TestApiServer::start().await.unwrap();
         server.install_velero_crds().unwrap();
+        server.install_storage_location_crd().unwrap();
         let client = server.client().await;
         for n in [NS, APP_NS] {
             server
                 .put_json(json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": n}}))
                 .unwrap();
         }
+        // The location every PVB names: a local repository, so a plugin's provider.
+        server
+            .put_json(json!({"apiVersion": "velero.io/v1", "kind": "BackupStorageLocation",
+                "metadata": {"name": "default", "namespace": NS},
+                "spec": {"provider": "podvolume-agent.io/filesystem", "objectStorage": {"bucket": "local"}}}))
+            .unwrap();
         let password_file = work.join("password");
         std::fs::write(&password_file, "benchmark password\n").unwrap();
         // restic 0.14 reads at full speed and spends the run uploading: a limit keeps each
@@ -171,6 +178,8 @@ impl Bed {
             .arg(format!("--listen-address=127.0.0.1:{port}"))
             .arg("--update-interval=1s")
             .arg("--log-format=plain")
+            // No Velero server creates the repositories here.
+            .arg("--init-missing-repository")
             .args(extra)
             .env(
                 "RUST_LOG",

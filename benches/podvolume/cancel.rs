@@ -39,6 +39,7 @@ pub fn run(restic: &Path, work_dir: &Path, runs: usize) -> String {
                 password_file: work.password_file.clone(),
                 cache_dir: cache.clone(),
                 extra_env: Vec::new(),
+                ..Default::default()
             },
             source: data.clone(),
             options: BackupOptions {

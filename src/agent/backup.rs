@@ -207,7 +207,8 @@ async fn run(ctx: Arc<Context>, pvb: PodVolumeBackup, token: CancellationToken) 
         ctx.registry.attach(&uid, op.clone());
         let reason = monitor(&ctx, &pvb, &mut w, &uid, &op, &token).await;
         let outcome = op.wait().await;
-        let progress = op.progress();
+        let mut progress = op.progress();
+        progress.err = prepared.location.redact(&progress.err);
         ctx.registry.set_final(&uid, progress.clone());
         ctx.metrics.uploader_exit(outcome.kind.class());
         ctx.metrics.truncated(outcome.truncated_frames);
@@ -220,8 +221,9 @@ async fn run(ctx: Arc<Context>, pvb: PodVolumeBackup, token: CancellationToken) 
             (Phase::Canceled | Phase::Failed, Some(r)) if outcome.kind == OutcomeKind::Canceled => {
                 format!("{}; the uploader was stopped", transfer::reason_text(&ctx, r))
             }
-            _ => outcome.message.clone(),
+            _ => super::outcome_message(&ctx, &outcome, &prepared.location),
         };
+        drop(prepared.location);
         let mut status = transfer::progress_status(&progress);
         status["phase"] = Value::String(phase.as_str().to_string());
         status["message"] = Value::String(message.clone());
@@ -246,6 +248,8 @@ fn failed(message: String) -> Value {
 
 struct Prepared {
     request: BackupRequest,
+    /// Held until the backup ends: its drop removes the operation's credentials files.
+    location: super::storage::LocationAccess,
 }
 
 /// Finds the volume, the credentials and the parent snapshot. Errors are messages for the
@@ -263,7 +267,14 @@ async fn prepare(ctx: &Context, pvb: &PodVolumeBackup) -> Result<Prepared, Strin
         .await
         .map_err(|e| format!("cannot locate volume {}: {e}", pvb.spec.volume))?;
     let uploader = super::uploader_of(ctx, pvb.spec.uploader_type);
-    let access = super::repository_access(ctx, &pvb.spec.repo_identifier, uploader).await?;
+    let (access, location) = super::repository_access(
+        ctx,
+        &pvb.spec.repo_identifier,
+        uploader,
+        &pvb.spec.backup_storage_location,
+        &pvb.uid().unwrap_or_default(),
+    )
+    .await?;
     let tags: Vec<(String, String)> = pvb
         .spec
         .tags
@@ -298,6 +309,7 @@ async fn prepare(ctx: &Context, pvb: &PodVolumeBackup) -> Result<Prepared, Strin
                 verbose: false,
             },
         },
+        location,
     })
 }
 

@@ -14,6 +14,7 @@ pub mod registry;
 pub mod restore;
 pub mod state;
 pub mod status;
+pub mod storage;
 pub mod transfer;
 pub mod volume;
 
@@ -75,17 +76,37 @@ pub fn uploader_of(ctx: &Context, t: Option<UploaderType>) -> UploaderKind {
     }
 }
 
-/// The repository and its password file for one operation. The password comes from
-/// `--repo-password-file` or from the Secret, written to a private file in the scratch dir (the
-/// uploader reads it; it never travels in argv or logs).
+/// The repository, its password file and the storage location's access for one operation. The
+/// password comes from `--repo-password-file` or from the Secret, written to a private file in
+/// the scratch dir (the uploader reads it; it never travels in argv or logs). restic's access to
+/// object storage comes from the BackupStorageLocation `location` (see [`storage`]); kopia
+/// through the agent uses filesystem repositories only, which need none, so its location is not
+/// read. The returned [`storage::LocationAccess`] must live as long as the operation: dropping it
+/// removes the operation's credentials files.
 pub async fn repository_access(
     ctx: &Context,
     repo: &str,
     uploader: UploaderKind,
-) -> Result<RepositoryAccess, String> {
+    location: &str,
+    uid: &str,
+) -> Result<(RepositoryAccess, storage::LocationAccess), String> {
     if repo.is_empty() {
         return Err("spec.repoIdentifier is empty: no repository to use".to_string());
     }
+    let location = match uploader {
+        UploaderKind::Restic => {
+            storage::location_access(
+                &ctx.client,
+                &ctx.args.namespace,
+                location,
+                &ctx.args.default_credentials_file,
+                &ctx.args.scratch_dir,
+                uid,
+            )
+            .await?
+        }
+        UploaderKind::Kopia => storage::LocationAccess::default(),
+    };
     let password_file = match &ctx.args.repo_password_file {
         Some(f) => f.clone(),
         None => secret_password_file(ctx).await?,
@@ -95,12 +116,41 @@ pub async fn repository_access(
         .scratch_dir
         .join(".cache")
         .join(uploader.to_string());
-    Ok(RepositoryAccess {
-        repository: repo.to_string(),
-        password_file,
-        cache_dir,
-        extra_env: Vec::new(),
-    })
+    Ok((
+        RepositoryAccess {
+            repository: repo.to_string(),
+            password_file,
+            cache_dir,
+            extra_env: location.extra_env.clone(),
+            ca_cert: location.ca_cert.clone(),
+            insecure_tls: location.insecure_tls,
+        },
+        location,
+    ))
+}
+
+/// The message an outcome gives the object: secrets of the location scrubbed, and for a
+/// repository that is not there, what that means in a Velero installation (the agent does not
+/// create repositories unless `--init-missing-repository`).
+pub fn outcome_message(
+    ctx: &Context,
+    outcome: &crate::uploader::Outcome,
+    location: &storage::LocationAccess,
+) -> String {
+    let mut message = outcome.message.clone();
+    if outcome.kind == crate::uploader::OutcomeKind::RepositoryMissing
+        && !ctx.args.init_missing_repository
+    {
+        let trimmed = message.trim_end().trim_end_matches('.').len();
+        message.truncate(trimmed);
+        message.push_str(
+            ". The node agent does not create repositories (Velero's server creates them before any \
+             PodVolumeBackup): likely a wrong repoIdentifier or resticRepoPrefix, a wrong bucket or \
+             prefix in the BackupStorageLocation, credentials without permission to list it, or a \
+             local path not mounted into the agent (--init-missing-repository creates it instead)",
+        );
+    }
+    location.redact(&crate::text::redact_url_credentials(&message))
 }
 
 const SECRET_NAME: &str = "velero-repo-credentials";
@@ -134,7 +184,11 @@ async fn secret_password_file(ctx: &Context) -> Result<PathBuf, String> {
 }
 
 /// Writes a file only its owner can read, atomically.
-fn write_private(dir: &std::path::Path, name: &str, data: &[u8]) -> std::io::Result<PathBuf> {
+pub(crate) fn write_private(
+    dir: &std::path::Path,
+    name: &str,
+    data: &[u8],
+) -> std::io::Result<PathBuf> {
     use std::io::Write;
     use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
     std::fs::DirBuilder::new()
@@ -333,11 +387,14 @@ pub async fn run(args: RunArgs) -> i32 {
         kopia_binary: args.kopia_binary.clone(),
         update_interval: args.update_interval,
         cancel_grace: args.cancel_grace,
-        init_missing_repository: !args.no_init,
+        // Velero's server creates repositories; one that is missing here is looked for in the
+        // wrong place, and creating it would put the data where Velero will not look.
+        init_missing_repository: args.init_missing_repository,
         lock_wait: args.lock_wait,
         child_record_dir: Some(args.state_dir.join("children")),
         ..EngineConfig::default()
     });
+    storage::remove_leftovers(&args.scratch_dir);
     // Uploaders of a predecessor killed before it could stop them: their objects are run again.
     crate::runner::kill_recorded(&args.state_dir.join("children")).await;
     let pvbs: Api<PodVolumeBackup> = Api::namespaced(client.clone(), &args.namespace);

@@ -250,7 +250,7 @@ async fn run(ctx: Arc<Context>, pvr: PodVolumeRestore, token: CancellationToken)
             end(&ctx, &pvr, &mut w, failed(&ctx, message), "failure", started, 0).await;
             return;
         }
-        let (request, restore_uid) = match prepare(&ctx, &pvr).await {
+        let (request, restore_uid, location) = match prepare(&ctx, &pvr).await {
             Ok(p) => p,
             Err(message) => {
                 end(&ctx, &pvr, &mut w, failed(&ctx, message), "failure", started, 0).await;
@@ -286,7 +286,8 @@ async fn run(ctx: Arc<Context>, pvr: PodVolumeRestore, token: CancellationToken)
         ctx.registry.attach(&uid, op.clone());
         let reason = monitor(&ctx, &pvr, &mut w, &uid, &op, &token).await;
         let outcome = op.wait().await;
-        let progress = op.progress();
+        let mut progress = op.progress();
+        progress.err = location.redact(&progress.err);
         ctx.registry.set_final(&uid, progress.clone());
         ctx.metrics.uploader_exit(outcome.kind.class());
         ctx.metrics.truncated(outcome.truncated_frames);
@@ -298,8 +299,9 @@ async fn run(ctx: Arc<Context>, pvr: PodVolumeRestore, token: CancellationToken)
             (Phase::Canceled | Phase::Failed, Some(r)) if outcome.kind == OutcomeKind::Canceled => {
                 format!("{}; the uploader was stopped", transfer::reason_text(&ctx, r))
             }
-            _ => outcome.message.clone(),
+            _ => super::outcome_message(&ctx, &outcome, &location),
         };
+        drop(location);
         if phase == Phase::Completed {
             // The handshake: without this file the restored pod's init container never finishes.
             match &restore_uid {
@@ -331,10 +333,19 @@ fn failed(ctx: &Context, message: String) -> Value {
     json!({ "phase": Phase::Failed.as_str(), "message": message, "node": ctx.args.node_name })
 }
 
+/// The request, the owning Restore's UID, and the location's access (held until the restore
+/// ends: its drop removes the operation's credentials files).
 async fn prepare(
     ctx: &Context,
     pvr: &PodVolumeRestore,
-) -> Result<(RestoreRequest, Option<String>), String> {
+) -> Result<
+    (
+        RestoreRequest,
+        Option<String>,
+        super::storage::LocationAccess,
+    ),
+    String,
+> {
     let ns = pvr.spec.pod.namespace.clone().unwrap_or_default();
     let name = pvr.spec.pod.name.clone().unwrap_or_default();
     let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &ns);
@@ -347,7 +358,14 @@ async fn prepare(
         .await
         .map_err(|e| format!("cannot locate volume {}: {e}", pvr.spec.volume))?;
     let uploader = super::uploader_of(ctx, pvr.spec.uploader_type);
-    let access = super::repository_access(ctx, &pvr.spec.repo_identifier, uploader).await?;
+    let (access, location) = super::repository_access(
+        ctx,
+        &pvr.spec.repo_identifier,
+        uploader,
+        &pvr.spec.backup_storage_location,
+        &pvr.uid().unwrap_or_default(),
+    )
+    .await?;
     Ok((
         RestoreRequest {
             uploader,
@@ -357,6 +375,7 @@ async fn prepare(
             limit_download_kib: None,
         },
         restore_uid(pvr),
+        location,
     ))
 }
 

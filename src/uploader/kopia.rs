@@ -815,6 +815,7 @@ mod tests {
             password_file,
             cache_dir: dir.join("cache"),
             extra_env: vec![("AWS_SHARED_CREDENTIALS_FILE".into(), "/creds".into())],
+            ..Default::default()
         }
     }
 

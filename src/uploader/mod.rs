@@ -127,6 +127,9 @@ pub enum OutcomeKind {
     /// restic exit 3 / kopia with failed entries: a snapshot was saved but some items were unreadable.
     Partial,
     RepositoryMissing,
+    /// The repository could not be reached or read (TLS, permission, DNS, connection): nothing
+    /// says it is missing, so it must never be initialised.
+    RepositoryUnreachable,
     WrongPassword,
     Locked,
     /// The uploader stopped because it was interrupted (SIGINT) without us asking.
@@ -149,6 +152,7 @@ impl OutcomeKind {
             OutcomeKind::Success => "success",
             OutcomeKind::Partial => "partial",
             OutcomeKind::RepositoryMissing => "repository_missing",
+            OutcomeKind::RepositoryUnreachable => "repository_unreachable",
             OutcomeKind::WrongPassword => "wrong_password",
             OutcomeKind::Locked => "locked",
             OutcomeKind::Interrupted => "interrupted",
@@ -245,7 +249,7 @@ impl fmt::Display for ExitInfo {
 
 /// What a run needs to know about the repository and its secrets. Secrets are referenced by file,
 /// never held in argv.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct RepositoryAccess {
     /// restic: the repository URL or path; kopia: a filesystem path or a kopia config file.
     pub repository: String,
@@ -254,6 +258,10 @@ pub struct RepositoryAccess {
     pub cache_dir: PathBuf,
     /// Extra environment for the backend (cloud credentials files and the like).
     pub extra_env: Vec<(String, String)>,
+    /// PEM file of the CA(s) that sign the object store's certificate (restic `--cacert`).
+    pub ca_cert: Option<PathBuf>,
+    /// Accept any TLS certificate (restic `--insecure-tls`).
+    pub insecure_tls: bool,
 }
 
 impl Outcome {

@@ -142,13 +142,20 @@ fn base(access: &RepositoryAccess, update_interval: Option<Duration>) -> ResticI
     for (k, v) in &access.extra_env {
         env.push((k.into(), v.into()));
     }
-    ResticInvocation {
-        args: vec![
-            "--cache-dir".into(),
-            access.cache_dir.clone().into_os_string(),
-        ],
-        env,
+    let mut args: Vec<OsString> = vec![
+        "--cache-dir".into(),
+        access.cache_dir.clone().into_os_string(),
+    ];
+    // A path, not a secret: the CA is public, only who trusts it is configured here.
+    if let Some(ca) = &access.ca_cert {
+        let mut a = OsString::from("--cacert=");
+        a.push(ca);
+        args.push(a);
     }
+    if access.insecure_tls {
+        args.push("--insecure-tls".into());
+    }
+    ResticInvocation { args, env }
 }
 
 impl ResticInvocation {
@@ -514,9 +521,29 @@ const FATAL_WITHOUT_PREFIX: &[&str] = &["unable to create lock in backend", "inv
 
 /// Text that restic prints on failures, per kind, for versions whose exit code is just 1.
 const WRONG_PASSWORD: &[&str] = &["wrong password or no key found", "no key found"];
-const REPOSITORY_MISSING: &[&str] = &[
-    "Is there a repository at the following location?",
+/// restic could not read the repository's config file. That is all it knows: the cause inside the
+/// same message tells a repository that is not there from one it could not look at.
+const REPOSITORY_NOT_OPENED: &[&str] = &[
+    REPOSITORY_QUESTION,
     "unable to open config file",
+    "repository does not exist",
+];
+/// restic's question after the cause; the next line is the repository's location.
+const REPOSITORY_QUESTION: &str = "Is there a repository at the following location?";
+/// Causes that say nothing is there (local `stat`, S3 `NoSuchKey`/`NoSuchBucket`, Azure's
+/// container, GCS, restic's REST backend), as opposed to TLS, permission, DNS or connection
+/// failures. Specific on purpose: S3's unknown access key reads "The AWS Access Key Id you
+/// provided does not exist in our records", which says nothing about the repository.
+const NOTHING_THERE: &[&str] = &[
+    "no such file or directory",
+    "The specified key does not exist",
+    "The specified bucket does not exist",
+    "The specified container does not exist",
+    "NoSuchKey",
+    "NoSuchBucket",
+    "object doesn't exist",
+    "bucket doesn't exist",
+    "/> does not exist",
     "repository does not exist",
 ];
 const LOCKED: &[&str] = &[
@@ -550,7 +577,8 @@ pub fn classify(
         (Some(130), _) => OutcomeKind::Interrupted,
         (None, Some(sig)) => OutcomeKind::KilledBySignal { signal: sig },
         _ if has(WRONG_PASSWORD) => OutcomeKind::WrongPassword,
-        _ if has(REPOSITORY_MISSING) => OutcomeKind::RepositoryMissing,
+        _ if has(REPOSITORY_NOT_OPENED) && has(NOTHING_THERE) => OutcomeKind::RepositoryMissing,
+        _ if has(REPOSITORY_NOT_OPENED) => OutcomeKind::RepositoryUnreachable,
         _ if has(LOCKED) => OutcomeKind::Locked,
         _ if has(SOURCE_MISSING) => OutcomeKind::SourceMissing,
         _ if mode == Direction::Backup && has(EMPTY_SOURCE) => {
@@ -591,17 +619,46 @@ pub fn classify(
         OutcomeKind::Failed if exit.code == Some(0) => {
             "restic exited 0 but printed no summary; the snapshot cannot be confirmed".to_string()
         }
+        OutcomeKind::RepositoryMissing | OutcomeKind::RepositoryUnreachable
+            if !facts.fatal.is_empty() =>
+        {
+            repository_message(&kind, &facts.fatal)
+        }
         _ => facts.cause(&format!("restic failed with {exit}")),
     };
     Outcome {
         kind,
-        message,
+        message: crate::text::redact_url_credentials(&message),
         exit_code: exit.code,
         snapshot_id,
         summary: facts.summary.as_ref().map(RunSummaryView::from),
         failed_items: facts.failed_items,
         first_failed_items: facts.first_failed_items.clone(),
         truncated_frames: facts.truncated_frames,
+    }
+}
+
+/// `no repository at <location>: <cause>` / `cannot open the repository at <location>: <cause>`
+/// from restic's `Fatal: unable to open config file: <cause>` + `Is there a repository at the
+/// following location?` + `<location>`: the cause (x509, Access Denied, no such host) first,
+/// without the question that hides it.
+fn repository_message(kind: &OutcomeKind, fatal: &[String]) -> String {
+    let question = fatal.iter().position(|l| l.contains(REPOSITORY_QUESTION));
+    let (cause, location) = match question {
+        Some(i) => (
+            fatal[..i].join(" "),
+            fatal.get(i + 1).map(|l| l.trim()).filter(|l| !l.is_empty()),
+        ),
+        None => (fatal.join(" "), None),
+    };
+    let what = match kind {
+        OutcomeKind::RepositoryMissing => "no repository",
+        _ => "cannot open the repository",
+    };
+    let cause = cause.replace('\n', " ");
+    match location {
+        Some(loc) => format!("{what} at {loc}: {}", cause.trim()),
+        None => format!("{what}: {}", cause.trim()),
     }
 }
 

@@ -243,6 +243,13 @@ impl TestApiServer {
         Ok(())
     }
 
+    /// Install Velero's BackupStorageLocation CRD (the node agent reads the location of each
+    /// PodVolumeBackup/PodVolumeRestore).
+    pub fn install_storage_location_crd(&self) -> Result<(), ApiError> {
+        self.apply_crd_file(velero_crds_dir().join("velero.io_backupstoragelocations.yaml"))?;
+        Ok(())
+    }
+
     // ----- direct store access (no faults, not logged) -----
 
     fn lookup(

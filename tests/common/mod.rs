@@ -52,6 +52,7 @@ impl Bed {
             password_file: self.password_file.clone(),
             cache_dir: self.cache.clone(),
             extra_env: Vec::new(),
+            ..Default::default()
         }
     }
 

@@ -107,6 +107,10 @@ impl Env {
             // neither is there.
             (Backend::Real(_), _) => ensure_crds(&client).await,
         }
+        // Every PVB/PVR names a BackupStorageLocation, which the agent reads.
+        if let Backend::StandIn(s) = &backend {
+            s.install_storage_location_crd().unwrap();
+        }
         let flavour = served_flavour(&client).await;
         if flavour != requested {
             eprintln!(
@@ -124,6 +128,15 @@ impl Env {
         std::fs::create_dir_all(&pods_dir).unwrap();
         let password_file = tmp.path().join("repo-password");
         std::fs::write(&password_file, "e2e password").unwrap();
+        // The location of the tests' local repositories: a plugin's provider, which gets no
+        // cloud credentials or TLS settings.
+        create_storage_location(
+            &client,
+            &ns,
+            "default",
+            json!({"provider": "podvolume-agent.io/filesystem", "objectStorage": {"bucket": "local"}}),
+        )
+        .await;
         Env {
             repo: tmp.path().join("repo"),
             backend,
@@ -355,6 +368,9 @@ impl Env {
             .arg("--cancel-grace=3s")
             .arg("--log-format=plain")
             .arg(format!("--restic-binary={}", restic_bin().display()))
+            // Velero's server creates repositories before any PVB; there is none here, so the
+            // agent may create them. Tests of the default pass --init-missing-repository=false.
+            .arg("--init-missing-repository")
             .args(extra)
             .env("RUST_LOG", "info,kube=warn,tower=warn,hyper=warn")
             .stdin(Stdio::null())
@@ -608,6 +624,25 @@ pub async fn assert_result_released(env: &Env, done: &PodVolumeBackup, logs: imp
             }
         }
     }
+}
+
+/// A `velero.io/v1` BackupStorageLocation `name` in `ns` with `spec`.
+pub async fn create_storage_location(
+    client: &Client,
+    ns: &str,
+    name: &str,
+    spec: serde_json::Value,
+) {
+    use kube::api::{ApiResource, DynamicObject, GroupVersionKind};
+    let gvk = GroupVersionKind::gvk("velero.io", "v1", "BackupStorageLocation");
+    let api: Api<DynamicObject> =
+        Api::namespaced_with(client.clone(), ns, &ApiResource::from_gvk(&gvk));
+    let obj: DynamicObject = serde_json::from_value(json!({
+        "apiVersion": "velero.io/v1", "kind": "BackupStorageLocation",
+        "metadata": {"name": name, "namespace": ns}, "spec": spec,
+    }))
+    .unwrap();
+    api.create(&PostParams::default(), &obj).await.unwrap();
 }
 
 async fn ensure_crds(client: &Client) {

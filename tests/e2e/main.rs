@@ -5,6 +5,9 @@
 //! the stand-in and say so when skipped.
 
 mod harness;
+#[path = "../s3/mod.rs"]
+mod s3;
+mod storage;
 
 use std::time::Duration;
 

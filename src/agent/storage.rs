@@ -1,0 +1,598 @@
+//! How a BackupStorageLocation becomes the uploader's access to object storage, as Velero's
+//! restic path built it: credentials from the BSL's Secret (else the agent's default credentials
+//! file) in the provider's environment variables, the CA certificate as `--cacert`, and
+//! `insecureSkipTLSVerify` as `--insecure-tls`.
+//!
+//! Secret values only ever go to files only the agent can read (0600, in a directory of their
+//! own per operation, removed when the operation ends) or to the uploader's environment; they are
+//! remembered so that messages can be scrubbed of them, and never logged.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use k8s_openapi::api::core::v1::Secret;
+use kube::api::{ApiResource, DynamicObject, GroupVersionKind};
+use kube::{Api, Client};
+use serde::Deserialize;
+
+/// The parts of `velero.io/v1` BackupStorageLocation's spec that decide repository access.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct StorageLocationSpec {
+    #[serde(default)]
+    pub provider: String,
+    #[serde(default)]
+    pub config: BTreeMap<String, String>,
+    pub credential: Option<SecretKeyRef>,
+    pub object_storage: Option<ObjectStorage>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ObjectStorage {
+    /// Base64 PEM (deprecated in Velero, still common with MinIO).
+    pub ca_cert: Option<String>,
+    pub ca_cert_ref: Option<SecretKeyRef>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct SecretKeyRef {
+    #[serde(default)]
+    pub name: String,
+    #[serde(default)]
+    pub key: String,
+}
+
+/// Which family of object store a provider name means.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Provider {
+    Aws,
+    Azure,
+    Gcp,
+    /// A plugin's own provider: no extra environment (its repository needs none we know of).
+    Other,
+}
+
+impl Provider {
+    /// `aws`, `azure`, `gcp` with or without `velero.io/`; any other provider with an `s3Url` is
+    /// S3 (MinIO, Ceph RGW behind a plugin's name), as in Velero.
+    pub fn of(spec: &StorageLocationSpec) -> Provider {
+        match spec.provider.trim_start_matches("velero.io/") {
+            "aws" => Provider::Aws,
+            "azure" => Provider::Azure,
+            "gcp" => Provider::Gcp,
+            _ if spec.config.get("s3Url").is_some_and(|u| !u.is_empty()) => Provider::Aws,
+            _ => Provider::Other,
+        }
+    }
+}
+
+/// Repository access settings of one operation. Dropping it removes its private files.
+#[derive(Debug, Default)]
+pub struct LocationAccess {
+    pub extra_env: Vec<(String, String)>,
+    pub ca_cert: Option<PathBuf>,
+    pub insecure_tls: bool,
+    /// Secret values, for scrubbing messages; never printed.
+    pub secrets: Vec<String>,
+    files: Option<PrivateDir>,
+}
+
+impl LocationAccess {
+    /// `message` with every secret value of this location replaced by `***`.
+    pub fn redact(&self, message: &str) -> String {
+        crate::text::redact_secrets(message, &self.secrets)
+    }
+}
+
+/// A directory of private files, removed with everything in it when dropped.
+#[derive(Debug)]
+struct PrivateDir(PathBuf);
+
+impl Drop for PrivateDir {
+    fn drop(&mut self) {
+        if let Err(e) = std::fs::remove_dir_all(&self.0)
+            && e.kind() != std::io::ErrorKind::NotFound
+        {
+            tracing::warn!(dir = %self.0.display(), error = %e, "could not remove an operation's credentials");
+        }
+    }
+}
+
+/// Where operations keep their private files: `<scratch>/credentials/operations/<uid>/`.
+pub fn operations_dir(scratch_dir: &Path) -> PathBuf {
+    scratch_dir.join("credentials").join("operations")
+}
+
+/// Removes the private files of operations a killed agent could not clean up.
+pub fn remove_leftovers(scratch_dir: &Path) {
+    let dir = operations_dir(scratch_dir);
+    if let Err(e) = std::fs::remove_dir_all(&dir)
+        && e.kind() != std::io::ErrorKind::NotFound
+    {
+        tracing::warn!(dir = %dir.display(), error = %e, "could not remove old credentials files");
+    }
+}
+
+/// Reads the BSL `name` in `namespace` and builds the access of the operation `uid`.
+pub async fn location_access(
+    client: &Client,
+    namespace: &str,
+    name: &str,
+    default_credentials_file: &Path,
+    scratch_dir: &Path,
+    uid: &str,
+) -> Result<LocationAccess, String> {
+    if name.is_empty() {
+        return Err("spec.backupStorageLocation is empty: no storage location to use".to_string());
+    }
+    let what = format!("BackupStorageLocation {namespace}/{name}");
+    let gvk = GroupVersionKind::gvk("velero.io", "v1", "BackupStorageLocation");
+    let api: Api<DynamicObject> =
+        Api::namespaced_with(client.clone(), namespace, &ApiResource::from_gvk(&gvk));
+    let obj = match api.get_opt(name).await {
+        Ok(Some(o)) => o,
+        Ok(None) => return Err(format!("{what} not found")),
+        // No BSL CRD at all answers 404 on the resource path too.
+        Err(kube::Error::Api(e)) if e.code == 404 => return Err(format!("{what} not found")),
+        Err(e) => return Err(format!("cannot read {what}: {e}")),
+    };
+    let spec: StorageLocationSpec =
+        serde_json::from_value(obj.data.get("spec").cloned().unwrap_or_default())
+            .map_err(|e| format!("{what}: unreadable spec: {e}"))?;
+    let secrets = SecretReader {
+        api: Api::namespaced(client.clone(), namespace),
+        namespace,
+        location: &what,
+    };
+    let files = PrivateFiles::new(operations_dir(scratch_dir).join(safe_name(uid)));
+    build(&spec, &what, default_credentials_file, files, &secrets).await
+}
+
+/// Secrets of the Velero namespace, read for one location (errors name both).
+struct SecretReader<'a> {
+    api: Api<Secret>,
+    namespace: &'a str,
+    location: &'a str,
+}
+
+impl SecretReader<'_> {
+    async fn value(&self, r: &SecretKeyRef, field: &str) -> Result<Vec<u8>, String> {
+        let name = format!("Secret {}/{}", self.namespace, r.name);
+        if r.name.is_empty() || r.key.is_empty() {
+            return Err(format!(
+                "{}: {field} needs a Secret name and key",
+                self.location
+            ));
+        }
+        let secret = self
+            .api
+            .get_opt(&r.name)
+            .await
+            .map_err(|e| format!("{}: cannot read {name} ({field}): {e}", self.location))?
+            .ok_or_else(|| format!("{}: {name} ({field}) not found", self.location))?;
+        let from_data = secret
+            .data
+            .as_ref()
+            .and_then(|d| d.get(&r.key))
+            .map(|v| v.0.clone());
+        let from_string = secret
+            .string_data
+            .as_ref()
+            .and_then(|d| d.get(&r.key))
+            .map(|v| v.clone().into_bytes());
+        from_data
+            .or(from_string)
+            .ok_or_else(|| format!("{}: {name} has no key {:?} ({field})", self.location, r.key))
+    }
+}
+
+/// The operation's private directory, created on first use.
+struct PrivateFiles {
+    dir: PathBuf,
+    created: Option<PrivateDir>,
+}
+
+impl PrivateFiles {
+    fn new(dir: PathBuf) -> Self {
+        Self { dir, created: None }
+    }
+
+    fn write(&mut self, name: &str, data: &[u8]) -> Result<PathBuf, String> {
+        if self.created.is_none() {
+            use std::os::unix::fs::DirBuilderExt;
+            std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(&self.dir)
+                .map_err(|e| format!("cannot create {}: {e}", self.dir.display()))?;
+            self.created = Some(PrivateDir(self.dir.clone()));
+        }
+        super::write_private(&self.dir, name, data)
+            .map_err(|e| format!("cannot write {}: {e}", self.dir.join(name).display()))
+    }
+}
+
+async fn build(
+    spec: &StorageLocationSpec,
+    what: &str,
+    default_credentials_file: &Path,
+    mut files: PrivateFiles,
+    secrets: &SecretReader<'_>,
+) -> Result<LocationAccess, String> {
+    let provider = Provider::of(spec);
+    let mut access = LocationAccess::default();
+
+    // TLS applies to any provider that talks HTTPS to an endpoint we are told about.
+    let ca = match spec.object_storage.as_ref() {
+        Some(ObjectStorage {
+            ca_cert_ref: Some(r),
+            ..
+        }) if !r.name.is_empty() => Some((
+            secrets.value(r, "spec.objectStorage.caCertRef").await?,
+            "spec.objectStorage.caCertRef",
+        )),
+        Some(ObjectStorage {
+            ca_cert: Some(b64), ..
+        }) if !b64.trim().is_empty() => {
+            // k8s-openapi's ByteString is the API's base64 encoding.
+            let pem: k8s_openapi::ByteString =
+                serde_json::from_value(serde_json::Value::String(b64.trim().to_string()))
+                    .map_err(|e| format!("{what}: spec.objectStorage.caCert is not base64: {e}"))?;
+            let pem = pem.0;
+            Some((pem, "spec.objectStorage.caCert"))
+        }
+        _ => None,
+    };
+    if let Some((pem, field)) = ca {
+        if !looks_like_pem_certificate(&pem) {
+            return Err(format!(
+                "{what}: {field} holds no PEM certificate (expected -----BEGIN CERTIFICATE-----)"
+            ));
+        }
+        access.ca_cert = Some(files.write("ca.pem", &pem)?);
+    }
+    access.insecure_tls = spec
+        .config
+        .get("insecureSkipTLSVerify")
+        .is_some_and(|v| v.eq_ignore_ascii_case("true"));
+
+    if provider == Provider::Other {
+        access.files = files.created.take();
+        return Ok(access);
+    }
+    // The BSL's own credentials, else the file Velero mounts for every location.
+    let credentials_file = match &spec.credential {
+        Some(r) if !r.name.is_empty() => {
+            let value = secrets.value(r, "spec.credential").await?;
+            access.secrets.extend(secret_values(&value));
+            Some(files.write("cloud-credentials", &value)?)
+        }
+        _ => default_credentials_file
+            .exists()
+            .then(|| default_credentials_file.to_path_buf()),
+    };
+    let file =
+        |k: &str, f: &Option<PathBuf>| f.as_ref().map(|f| (k.to_string(), f.display().to_string()));
+    match provider {
+        Provider::Aws => {
+            access
+                .extra_env
+                .extend(file("AWS_SHARED_CREDENTIALS_FILE", &credentials_file));
+            if let Some(profile) = spec.config.get("profile").filter(|p| !p.is_empty()) {
+                access
+                    .extra_env
+                    .push(("AWS_PROFILE".to_string(), profile.clone()));
+            }
+        }
+        Provider::Gcp => access
+            .extra_env
+            .extend(file("GOOGLE_APPLICATION_CREDENTIALS", &credentials_file)),
+        Provider::Azure => {
+            let account = spec
+                .config
+                .get("storageAccount")
+                .filter(|a| !a.is_empty())
+                .ok_or_else(|| format!("{what}: config.storageAccount is required for azure"))?;
+            // Velero's Azure credentials file is dotenv-style; the key's variable can be renamed
+            // with config.storageAccountKeyEnvVar.
+            let var = spec
+                .config
+                .get("storageAccountKeyEnvVar")
+                .filter(|v| !v.is_empty())
+                .map(String::as_str)
+                .unwrap_or("AZURE_STORAGE_ACCOUNT_ACCESS_KEY");
+            let path = credentials_file.as_ref().ok_or_else(|| {
+                format!(
+                    "{what}: azure needs a credentials file (spec.credential, or {})",
+                    default_credentials_file.display()
+                )
+            })?;
+            let text = std::fs::read_to_string(path)
+                .map_err(|e| format!("{what}: cannot read the credentials file: {e}"))?;
+            let key = dotenv_value(&text, var).ok_or_else(|| {
+                format!("{what}: the credentials file has no {var} (the storage account key)")
+            })?;
+            access.secrets.push(key.clone());
+            access
+                .extra_env
+                .push(("AZURE_ACCOUNT_NAME".to_string(), account.clone()));
+            access
+                .extra_env
+                .push(("AZURE_ACCOUNT_KEY".to_string(), key));
+        }
+        Provider::Other => {}
+    }
+    access.files = files.created.take();
+    Ok(access)
+}
+
+fn looks_like_pem_certificate(pem: &[u8]) -> bool {
+    std::str::from_utf8(pem).is_ok_and(|s| s.contains("-----BEGIN CERTIFICATE-----"))
+}
+
+/// `KEY=value` lines (optionally quoted, `export` allowed, `#` comments).
+fn dotenv_value(text: &str, key: &str) -> Option<String> {
+    text.lines().find_map(|line| {
+        let line = line.trim();
+        let line = line.strip_prefix("export ").unwrap_or(line);
+        let (k, v) = line.split_once('=')?;
+        (k.trim() == key).then(|| v.trim().trim_matches('"').trim_matches('\'').to_string())
+    })
+}
+
+/// The values in a credentials file (`key = value` / `KEY=value` lines, or the whole file), for
+/// scrubbing messages. Keys and section names are not secret and are left alone.
+fn secret_values(file: &[u8]) -> Vec<String> {
+    let text = String::from_utf8_lossy(file);
+    let mut values: Vec<String> = text
+        .lines()
+        .filter_map(|l| l.split_once('='))
+        .map(|(_, v)| v.trim().trim_matches('"').to_string())
+        .filter(|v| !v.is_empty())
+        .collect();
+    let whole = text.trim();
+    if !whole.is_empty() {
+        values.push(whole.to_string());
+    }
+    // A GCP service-account key is JSON: its private key's lines are values too.
+    values.extend(
+        text.split("\\n")
+            .map(|s| s.trim().to_string())
+            .filter(|s| s.len() >= 16 && !s.starts_with("-----")),
+    );
+    values
+}
+
+/// UIDs are safe path components; anything else is made one.
+fn safe_name(uid: &str) -> String {
+    let s: String = uid
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    if s.is_empty() { "_".to_string() } else { s }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(v: serde_json::Value) -> StorageLocationSpec {
+        serde_json::from_value(v).unwrap()
+    }
+
+    #[test]
+    fn providers_as_velero_names_them() {
+        for (p, want) in [
+            ("aws", Provider::Aws),
+            ("velero.io/aws", Provider::Aws),
+            ("azure", Provider::Azure),
+            ("velero.io/azure", Provider::Azure),
+            ("gcp", Provider::Gcp),
+            ("velero.io/gcp", Provider::Gcp),
+            ("example.com/plugin", Provider::Other),
+        ] {
+            assert_eq!(
+                Provider::of(&spec(serde_json::json!({"provider": p}))),
+                want,
+                "{p}"
+            );
+        }
+        let minio = spec(serde_json::json!({
+            "provider": "example.com/minio", "config": {"s3Url": "https://minio:9000"}
+        }));
+        assert_eq!(Provider::of(&minio), Provider::Aws);
+    }
+
+    #[test]
+    fn secret_values_cover_ini_and_dotenv() {
+        let v = secret_values(
+            b"[default]\naws_access_key_id = AKIAXYZ\naws_secret_access_key = s/e+cr3t\n",
+        );
+        assert!(v.contains(&"AKIAXYZ".to_string()));
+        assert!(v.contains(&"s/e+cr3t".to_string()));
+        assert!(!v.iter().any(|x| x == "aws_access_key_id"));
+        assert_eq!(
+            dotenv_value(
+                "AZURE_SUBSCRIPTION_ID=x\nexport AZURE_STORAGE_ACCOUNT_ACCESS_KEY=\"k==\"\n",
+                "AZURE_STORAGE_ACCOUNT_ACCESS_KEY"
+            )
+            .as_deref(),
+            Some("k==")
+        );
+    }
+
+    #[test]
+    fn pem_check_and_names() {
+        assert!(looks_like_pem_certificate(
+            b"-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n"
+        ));
+        assert!(!looks_like_pem_certificate(b"not a certificate"));
+        assert_eq!(safe_name("../x"), "___x");
+        assert_eq!(safe_name("0b1c-22"), "0b1c-22");
+    }
+
+    /// `build` for locations that need no Secret (the reader is never asked).
+    async fn built(v: serde_json::Value, default_file: &Path) -> Result<LocationAccess, String> {
+        let config = kube::Config::new("http://127.0.0.1:9".parse().unwrap());
+        let client = Client::try_from(config).unwrap();
+        let reader = SecretReader {
+            api: Api::namespaced(client, "velero"),
+            namespace: "velero",
+            location: "BackupStorageLocation velero/l",
+        };
+        // Next to the default file (a temporary directory of the test), as in the scratch dir.
+        let dir = default_file
+            .parent()
+            .unwrap()
+            .join(format!("op-{}", rand_suffix()));
+        let files = PrivateFiles::new(dir);
+        build(
+            &spec(v),
+            "BackupStorageLocation velero/l",
+            default_file,
+            files,
+            &reader,
+        )
+        .await
+    }
+
+    fn rand_suffix() -> u64 {
+        use std::sync::atomic::{AtomicU64, Ordering};
+        static N: AtomicU64 = AtomicU64::new(0);
+        N.fetch_add(1, Ordering::SeqCst)
+    }
+
+    fn env_of(a: &LocationAccess) -> Vec<(&str, &str)> {
+        a.extra_env
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.as_str()))
+            .collect()
+    }
+
+    #[tokio::test]
+    async fn default_credentials_file_per_provider() {
+        let tmp = tempfile::tempdir().unwrap();
+        let file = tmp.path().join("cloud");
+        std::fs::write(
+            &file,
+            "AZURE_STORAGE_ACCOUNT_ACCESS_KEY=azkey123\nMY_KEY=other456\n",
+        )
+        .unwrap();
+        let f = file.to_str().unwrap();
+        let aws = built(
+            serde_json::json!({"provider": "velero.io/aws", "config": {"profile": "p1", "insecureSkipTLSVerify": "true"}}),
+            &file,
+        )
+        .await
+        .unwrap();
+        assert_eq!(
+            env_of(&aws),
+            [("AWS_SHARED_CREDENTIALS_FILE", f), ("AWS_PROFILE", "p1")]
+        );
+        assert!(aws.insecure_tls && aws.ca_cert.is_none());
+        let gcp = built(serde_json::json!({"provider": "gcp"}), &file)
+            .await
+            .unwrap();
+        assert_eq!(env_of(&gcp), [("GOOGLE_APPLICATION_CREDENTIALS", f)]);
+        assert!(!gcp.insecure_tls);
+        let azure = built(
+            serde_json::json!({"provider": "azure", "config": {"storageAccount": "acct"}}),
+            &file,
+        )
+        .await
+        .unwrap();
+        assert_eq!(
+            env_of(&azure),
+            [
+                ("AZURE_ACCOUNT_NAME", "acct"),
+                ("AZURE_ACCOUNT_KEY", "azkey123")
+            ]
+        );
+        assert_eq!(azure.redact("key azkey123 leaked"), "key *** leaked");
+        let renamed = built(
+            serde_json::json!({"provider": "azure", "config": {"storageAccount": "acct", "storageAccountKeyEnvVar": "MY_KEY"}}),
+            &file,
+        )
+        .await
+        .unwrap();
+        assert_eq!(env_of(&renamed)[1], ("AZURE_ACCOUNT_KEY", "other456"));
+        let err = built(serde_json::json!({"provider": "azure"}), &file)
+            .await
+            .unwrap_err();
+        assert!(err.contains("config.storageAccount is required"), "{err}");
+        let plugin = built(serde_json::json!({"provider": "example.com/x"}), &file)
+            .await
+            .unwrap();
+        assert!(plugin.extra_env.is_empty());
+        // No default file (IAM roles for service accounts): nothing is set.
+        let irsa = built(
+            serde_json::json!({"provider": "aws"}),
+            &tmp.path().join("none"),
+        )
+        .await
+        .unwrap();
+        assert!(irsa.extra_env.is_empty());
+    }
+
+    #[tokio::test]
+    async fn inline_ca_is_checked_and_written_privately() {
+        let tmp = tempfile::tempdir().unwrap();
+        let none = &tmp.path().join("no-default-file");
+        let pem = b"-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n";
+        let b64 = |d: &[u8]| serde_json::to_value(k8s_openapi::ByteString(d.to_vec())).unwrap();
+        let a = built(
+            serde_json::json!({"provider": "x", "objectStorage": {"caCert": b64(pem)}}),
+            none,
+        )
+        .await
+        .unwrap();
+        let ca = a.ca_cert.clone().unwrap();
+        assert_eq!(std::fs::read(&ca).unwrap(), pem);
+        drop(a);
+        assert!(!ca.exists(), "removed with the access");
+        let err = built(
+            serde_json::json!({"provider": "x", "objectStorage": {"caCert": "%%%"}}),
+            none,
+        )
+        .await
+        .unwrap_err();
+        assert!(err.contains("caCert is not base64"), "{err}");
+        let err = built(
+            serde_json::json!({"provider": "x", "objectStorage": {"caCert": b64(b"junk")}}),
+            none,
+        )
+        .await
+        .unwrap_err();
+        assert!(err.contains("holds no PEM certificate"), "{err}");
+    }
+
+    #[test]
+    fn private_files_are_0600_and_go_with_the_access() {
+        use std::os::unix::fs::PermissionsExt;
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("op");
+        let mut files = PrivateFiles::new(dir.clone());
+        let f = files.write("cloud-credentials", b"x").unwrap();
+        assert_eq!(
+            std::fs::metadata(&f).unwrap().permissions().mode() & 0o777,
+            0o600
+        );
+        assert_eq!(
+            std::fs::metadata(&dir).unwrap().permissions().mode() & 0o777,
+            0o700
+        );
+        let access = LocationAccess {
+            files: files.created.take(),
+            ..Default::default()
+        };
+        drop(access);
+        assert!(!dir.exists());
+    }
+}
