@@ -331,6 +331,50 @@ impl ProgressTracker {
     }
 }
 
+/// When a newer progress value may be written. The first value is written at once; after that,
+/// at the first tick of a clock started with the operation (`start + k * interval`) after the
+/// last write, or at once when that tick has already passed. So what is published is never more
+/// than one interval (plus the uploader's own print period) behind what the uploader printed;
+/// nothing is written while nothing changes; a value arriving after a quiet spell is written
+/// at once, not at the next tick; and at most one write is made per tick of that clock plus the
+/// first (each off-tick write takes the place of a tick at which nothing was written). Because
+/// the clock is the one Velero's ticker uses (started with the uploader), every moment at which
+/// Velero's method would write is one at which this writes too, so on the same stream the value
+/// published is never older than Velero's (BENCHMARKS.md case 3).
+#[derive(Debug, Clone)]
+pub struct WriteSchedule {
+    start: Instant,
+    interval: Duration,
+    last_write: Option<Instant>,
+}
+
+impl WriteSchedule {
+    pub fn new(start: Instant, interval: Duration) -> Self {
+        Self {
+            start,
+            // A zero interval would make every tick the same instant.
+            interval: interval.max(Duration::from_millis(1)),
+            last_write: None,
+        }
+    }
+
+    /// The earliest moment a newer value may be written (`now` when it may be written now).
+    pub fn due(&self, now: Instant) -> Instant {
+        let Some(last) = self.last_write else {
+            return now;
+        };
+        let since_start = last.saturating_duration_since(self.start);
+        let ticks = (since_start.as_nanos() / self.interval.as_nanos()) as u32 + 1;
+        let next_tick = self.start + self.interval * ticks;
+        if next_tick <= now { now } else { next_tick }
+    }
+
+    /// Records a write (or an attempt: a failed write is tried again at the next due moment).
+    pub fn wrote(&mut self, at: Instant) {
+        self.last_write = Some(at);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -428,5 +472,57 @@ mod tests {
         assert_eq!(v["started"], "2023-11-14T22:13:20.000Z");
         let back: OperationProgress = serde_json::from_value(v).unwrap();
         assert_eq!(back, p);
+    }
+
+    #[test]
+    fn write_schedule_first_at_once_then_on_the_operation_clock() {
+        let t0 = Instant::now();
+        let s = |ms: u64| t0 + Duration::from_millis(ms);
+        let mut w = WriteSchedule::new(t0, Duration::from_secs(10));
+        // The first value: at once, whenever it comes.
+        assert_eq!(w.due(s(860)), s(860));
+        w.wrote(s(860));
+        // Then at the next tick of the clock started with the operation, not 10 s after it.
+        assert_eq!(w.due(s(900)), s(10_000));
+        assert_eq!(w.due(s(9_999)), s(10_000));
+        w.wrote(s(10_000));
+        assert_eq!(w.due(s(10_001)), s(20_000));
+        // Quiet until 27.5 s (nothing written at 20 s): a newer value is written at once...
+        assert_eq!(w.due(s(27_500)), s(27_500));
+        w.wrote(s(27_500));
+        // ...and the clock keeps its phase.
+        assert_eq!(w.due(s(27_600)), s(30_000));
+    }
+
+    #[test]
+    fn write_schedule_never_more_than_one_write_per_tick_plus_the_first() {
+        // A value every 70 ms for 95 s at a 1 s interval, with quiet spells.
+        let t0 = Instant::now();
+        let interval = Duration::from_secs(1);
+        let mut w = WriteSchedule::new(t0, interval);
+        let mut writes = Vec::new();
+        let mut pending = false;
+        for step in 0..=95_000u64 {
+            let now = t0 + Duration::from_millis(step);
+            let quiet = (20_000..27_300).contains(&step) || (50_000..50_900).contains(&step);
+            if step % 70 == 0 && !quiet {
+                pending = true;
+            }
+            if pending && w.due(now) <= now {
+                w.wrote(now);
+                writes.push(step);
+                pending = false;
+            }
+        }
+        assert!(writes.len() <= 95 + 1, "{} writes", writes.len());
+        // Never a value older than an interval plus the 70 ms between values.
+        let gaps_ok = writes.windows(2).all(|p| {
+            p[1] - p[0] <= 1_000 + 70 || {
+                // A quiet spell (nothing newer to write) is not a gap in what is published.
+                (p[0]..p[1]).any(|x| (20_000..27_300).contains(&x) || (50_000..50_900).contains(&x))
+            }
+        });
+        assert!(gaps_ok, "{writes:?}");
+        assert_eq!(writes[0], 0);
     }
 }

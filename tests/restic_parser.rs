@@ -511,7 +511,7 @@ fn v018_failures_are_classified_from_exit_codes_and_exit_error() {
             "0.18/repo-missing",
             10,
             OutcomeKind::RepositoryMissing,
-            "Is there a repository at the following location?",
+            "unable to open config file: stat /repo-missing/config: no such file or directory",
         ),
         (
             "0.18/locked",
@@ -534,6 +534,18 @@ fn v018_failures_are_classified_from_exit_codes_and_exit_error() {
         assert!(!o.message.contains("Fatal:"), "{case}: {}", o.message);
         assert!(!o.message.contains('\u{1b}'), "ANSI left in {case}");
     }
+    // Where and why, without the question that hides the cause.
+    let (_, o) = classify("0.18/repo-missing", Direction::Backup, false);
+    assert!(
+        o.message.starts_with("no repository at /repo-missing"),
+        "{}",
+        o.message
+    );
+    assert!(
+        !o.message.contains("Is there a repository"),
+        "{}",
+        o.message
+    );
     // The lock message names the holder and its age, on both lock cases.
     for case in ["0.18/locked", "0.18/locked-retry-lock"] {
         let (_, o) = classify(case, Direction::Backup, false);

@@ -14,7 +14,7 @@ use super::state::StoredResult;
 use super::status::{Finalizer, ObjectWriter, VolumeObject, WriteError, now_rfc3339};
 use crate::crd::Phase;
 use crate::operation::Operation;
-use crate::progress::OperationProgress;
+use crate::progress::{OperationProgress, WriteSchedule};
 
 /// Publishes an Event on the object; failures are logged, never fatal.
 pub async fn event<K: VolumeObject>(
@@ -81,13 +81,12 @@ pub async fn monitor<K: VolumeObject>(
         .map(|d| tokio::time::Instant::now() + d);
     let far = tokio::time::Instant::now() + Duration::from_secs(100 * 365 * 86_400);
     let mut last_written: Option<(u64, u64, String)> = None;
-    // Progress is written when a newer value arrives and at least one interval has passed since
-    // the last write, or at the first moment it has: the published value is never older than
-    // one interval, and nothing is written while nothing changes. A fixed tick could just miss a
-    // value and publish it almost an interval later (BENCHMARKS.md case 3).
+    // A newer value is written at the first moment the schedule allows (see WriteSchedule):
+    // never older than one interval, nothing while nothing changes, and never older than what
+    // Velero's ticker would have published on the same stream.
+    let mut schedule = WriteSchedule::new(Instant::now(), args.update_interval);
     let mut updates = op.subscribe();
     let mut updates_open = true;
-    let mut last_write_at: Option<tokio::time::Instant> = None;
     let mut pending = false;
     let mut last_bytes = 0u64;
     let mut last_change = Instant::now();
@@ -126,14 +125,14 @@ pub async fn monitor<K: VolumeObject>(
                 let key = write_key(&updates.borrow_and_update());
                 pending = last_written.as_ref() != Some(&key);
             }
-            _ = tokio::time::sleep_until(last_write_at.map_or_else(tokio::time::Instant::now, |t| t + args.update_interval)), if pending && !canceling => {
+            _ = tokio::time::sleep_until(tokio::time::Instant::from_std(schedule.due(Instant::now()))), if pending && !canceling => {
                 let p = op.progress();
                 let key = write_key(&p);
                 pending = false;
                 if last_written.as_ref() == Some(&key) {
                     continue;
                 }
-                last_write_at = Some(tokio::time::Instant::now());
+                schedule.wrote(Instant::now());
                 let mut patch = progress_status(&p);
                 patch["message"] = Value::String(p.description.clone());
                 match writer.write(Some(patch), None).await {
@@ -146,7 +145,7 @@ pub async fn monitor<K: VolumeObject>(
                         tracing::warn!("the object was deleted; stopping the transfer");
                         ctx.registry.cancel(uid, CancelReason::Deleted);
                     }
-                    // Tried again one interval later with the newest value.
+                    // Tried again at the next due moment with the newest value.
                     Err(e) => {
                         tracing::warn!(error = %e, "progress write failed");
                         pending = true;

@@ -115,18 +115,12 @@ pub struct BackupOptions {
     pub verbose: bool,
 }
 
-/// restic's printing rate for status lines: two per update interval, and never less than ten a
-/// second. The agent writes a newer value as soon as an interval has passed since its last write,
-/// so what it publishes is at most one interval plus one of restic's periods behind what restic
-/// knows (BENCHMARKS.md case 3; the goal is interval + 0.2 s). Far below restic's default 60/s;
-/// parsing a line costs about a microsecond.
-pub fn progress_fps(update_interval: Duration) -> String {
-    let secs = update_interval.as_secs_f64().max(0.001);
-    let fps = (2.0 / secs).clamp(10.0, 60.0);
-    // restic parses this with strconv.ParseFloat; keep it short and plain.
-    let s = format!("{fps:.3}");
-    s.trim_end_matches('0').trim_end_matches('.').to_string()
-}
+/// restic's printing rate for status lines: its own default for `--json` (60/s), the rate of
+/// the stream Velero's method reads, and set explicitly so a variable in the agent's environment
+/// cannot change it. With it, what the agent publishes is at most one interval plus 1/60 s
+/// behind what restic knows, and never older than Velero's on the same stream (BENCHMARKS.md
+/// case 3). Parsing a line costs about a microsecond (case 6); restic computes the line anyway.
+pub const PROGRESS_FPS: &str = "60";
 
 fn base(access: &RepositoryAccess, update_interval: Option<Duration>) -> ResticInvocation {
     let mut env: Vec<(OsString, OsString)> = vec![
@@ -136,8 +130,8 @@ fn base(access: &RepositoryAccess, update_interval: Option<Duration>) -> ResticI
             access.password_file.clone().into_os_string(),
         ),
     ];
-    if let Some(interval) = update_interval {
-        env.push(("RESTIC_PROGRESS_FPS".into(), progress_fps(interval).into()));
+    if update_interval.is_some() {
+        env.push(("RESTIC_PROGRESS_FPS".into(), PROGRESS_FPS.into()));
     }
     for (k, v) in &access.extra_env {
         env.push((k.into(), v.into()));
@@ -643,6 +637,8 @@ pub fn classify(
 /// following location?` + `<location>`: the cause (x509, Access Denied, no such host) first,
 /// without the question that hides it.
 fn repository_message(kind: &OutcomeKind, fatal: &[String]) -> String {
+    // restic >= 0.16 puts the whole text into one `exit_error` message, lines and all.
+    let fatal: Vec<&str> = fatal.iter().flat_map(|l| l.lines()).collect();
     let question = fatal.iter().position(|l| l.contains(REPOSITORY_QUESTION));
     let (cause, location) = match question {
         Some(i) => (
@@ -721,10 +717,31 @@ mod tests {
     }
 
     #[test]
-    fn progress_rate_is_two_per_interval_but_at_least_one_a_second() {
-        assert_eq!(progress_fps(Duration::from_secs(1)), "10");
-        assert_eq!(progress_fps(Duration::from_millis(100)), "20");
-        assert_eq!(progress_fps(Duration::from_secs(10)), "10");
-        assert_eq!(progress_fps(Duration::from_millis(1)), "60");
+    fn progress_is_asked_at_restics_default_rate_whatever_the_interval() {
+        let access = RepositoryAccess {
+            repository: "/r".into(),
+            password_file: "/p".into(),
+            ..Default::default()
+        };
+        for interval in [
+            Duration::from_millis(100),
+            Duration::from_secs(1),
+            Duration::from_secs(10),
+        ] {
+            let inv = base(&access, Some(interval));
+            let fps: Vec<_> = inv
+                .env
+                .iter()
+                .filter(|(k, _)| k == "RESTIC_PROGRESS_FPS")
+                .collect();
+            assert_eq!(fps.len(), 1, "{interval:?}");
+            assert_eq!(fps[0].1, "60");
+        }
+        assert!(
+            base(&access, None)
+                .env
+                .iter()
+                .all(|(k, _)| k != "RESTIC_PROGRESS_FPS")
+        );
     }
 }
