@@ -3,7 +3,11 @@
 //!
 //! Every run is timed from spawn to exit. CPU is the user+system time of everything the run
 //! spawned (the child and what it waited for: restic under the agent), read from this process's
-//! `cutime`/`cstime` before and after. Peak RSS is `VmHWM` from `/proc/<pid>/status`, read every
+//! `cutime`/`cstime` before and after. The spawned process's own CPU and that of what it waited
+//! for are read apart from its `/proc/<pid>/stat` once it has exited and before it is reaped
+//! (`waitid` with `WNOWAIT` leaves the zombie's final counters readable): exact to the clock
+//! tick, and in the same run, so the agent's own share is free of the run-to-run noise of
+//! restic itself. Peak RSS is `VmHWM` from `/proc/<pid>/status`, read every
 //! 10 ms while the process lives (the last reading before exit): the agent's own process apart
 //! from restic's (restic is a separate process with its own `VmHWM`).
 
@@ -22,6 +26,10 @@ use crate::util::{
 struct Sample {
     wall: f64,
     cpu: f64,
+    /// CPU seconds of the spawned process itself (the agent's own, for the agent).
+    own_cpu: f64,
+    /// CPU seconds of what the spawned process waited for (restic, under the agent).
+    waited_cpu: f64,
     /// Peak RSS (KiB) of the spawned process itself.
     top_hwm: f64,
     /// Peak RSS (KiB) of the largest restic process under it (same as `top_hwm` for bare restic).
@@ -58,6 +66,7 @@ fn measure(mut cmd: Command, label: &str) -> Sample {
             (top, restic)
         })
     };
+    let (own_cpu, waited_cpu) = exited_cpu(pid);
     let status = child.wait().unwrap();
     let wall = t0.elapsed().as_secs_f64();
     let cpu = (children_cpu() - cpu0).as_secs_f64();
@@ -72,9 +81,36 @@ fn measure(mut cmd: Command, label: &str) -> Sample {
     Sample {
         wall,
         cpu,
+        own_cpu,
+        waited_cpu,
         top_hwm: top as f64,
         restic_hwm: if restic > 0 { restic } else { top } as f64,
     }
+}
+
+/// Waits until `pid` (a child of this process) has exited, without reaping it, and returns its
+/// own CPU seconds and those of the children it waited for, from its final `/proc/<pid>/stat`.
+fn exited_cpu(pid: u32) -> (f64, f64) {
+    use nix::sys::wait::{Id, WaitPidFlag, waitid};
+    let pid = nix::unistd::Pid::from_raw(pid as i32);
+    loop {
+        match waitid(Id::Pid(pid), WaitPidFlag::WEXITED | WaitPidFlag::WNOWAIT) {
+            Ok(_) => break,
+            Err(nix::errno::Errno::EINTR) => continue,
+            Err(e) => panic!("waitid: {e}"),
+        }
+    }
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    let rest = &stat[stat.rfind(')').unwrap() + 2..];
+    let f: Vec<u64> = rest
+        .split_whitespace()
+        .skip(11)
+        .take(4)
+        .map(|x| x.parse().unwrap())
+        .collect();
+    // utime, stime, cutime, cstime (fields 14-17) in clock ticks of 10 ms.
+    let ticks = |t: u64| t as f64 / 100.0;
+    (ticks(f[0] + f[1]), ticks(f[2] + f[3]))
 }
 
 struct Ctx<'a> {
@@ -200,20 +236,22 @@ pub fn run(restic: &Path, agent: &Path, work_dir: &Path, runs: usize, quick: boo
         "The same backup into a fresh local repository (an initialised empty one, copied before \
          each run, outside the timing), {runs} runs of each variant, alternating, medians. Data is \
          read from the page cache (generated once, same for every run). *restic*: `restic backup \
-         --json` at restic's default status rate (60/s); *restic 2/s*: the same with \
-         `RESTIC_PROGRESS_FPS=2`, the rate the agent asks for at its 1 s update interval; *agent*: \
+         --json` at restic's default status rate (60/s, the rate the agent asks for); *agent*: \
          `podvolume-agent backup --json --no-init` (release build, which also runs `restic \
          version` once). stdout of all goes to /dev/null. Wall: spawn to exit. CPU: user+system of \
-         the process and everything it waited for (agent + restic). Peak RSS: `VmHWM` of each \
-         process, read every 10 ms from /proc while it runs.\n\n"
+         the process and everything it waited for (agent + restic). *agent's own*: the agent \
+         process's CPU, without restic's, read from its final `/proc/<pid>/stat` (exact to the \
+         10 ms clock tick); *1 + own/restic*: the agent's cost over the restic it ran, in the same \
+         run (the CPU ratio across runs also holds restic's own run-to-run noise). Peak RSS: \
+         `VmHWM` of each process, read every 10 ms from /proc while it runs.\n\n"
     ));
     md.push_str(
-        "| data | variant | wall s | CPU s | wall ratio vs restic | CPU ratio vs restic | wall ratio vs restic 2/s | CPU ratio vs restic 2/s | agent peak RSS MiB | restic peak RSS MiB |\n\
-         |---|---|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+        "| data | variant | wall s | CPU s | wall ratio vs restic | CPU ratio vs restic | agent's own CPU s | restic CPU under the agent s | 1 + own/restic | agent peak RSS MiB | restic peak RSS MiB |\n\
+         |---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
     );
     for set in &sets {
         eprintln!("overhead: {} ({} MiB)", set.name, fmt(mib(set.bytes)));
-        let variants = ["restic", "restic 2/s", "agent"];
+        let variants = ["restic", "agent"];
         let mut samples: Vec<Vec<Sample>> = vec![Vec::new(); variants.len()];
         for i in 0..runs {
             for k in 0..variants.len() {
@@ -221,16 +259,17 @@ pub fn run(restic: &Path, agent: &Path, work_dir: &Path, runs: usize, quick: boo
                 let (repo, cache) = work.fresh_repo();
                 let cmd = match v {
                     0 => ctx.restic(&repo, &cache, &set.dir, None),
-                    1 => ctx.restic(&repo, &cache, &set.dir, Some("2")),
                     _ => ctx.agent(&repo, &cache, &set.dir, &[]),
                 };
                 let s = measure(cmd, variants[v]);
                 eprintln!(
-                    "  run {} {}: wall {:.2} s, cpu {:.2} s, rss {} / {} KiB",
+                    "  run {} {}: wall {:.2} s, cpu {:.2} s (own {:.2}, waited {:.2}), rss {} / {} KiB",
                     i + 1,
                     variants[v],
                     s.wall,
                     s.cpu,
+                    s.own_cpu,
+                    s.waited_cpu,
                     s.top_hwm,
                     s.restic_hwm
                 );
@@ -241,13 +280,24 @@ pub fn run(restic: &Path, agent: &Path, work_dir: &Path, runs: usize, quick: boo
         let w: Vec<f64> = samples.iter().map(|s| med(s, |x| x.wall)).collect();
         let c: Vec<f64> = samples.iter().map(|s| med(s, |x| x.cpu)).collect();
         for (v, name) in variants.iter().enumerate() {
-            let agent_rss = if v == 2 {
-                fmt(med(&samples[v], |x| x.top_hwm) / 1024.0)
+            let agent_cols = if v == 1 {
+                let a = &samples[v];
+                format!(
+                    "{} | {} | {} | {}",
+                    fmt(med(a, |x| x.own_cpu)),
+                    fmt(med(a, |x| x.waited_cpu)),
+                    // The median of the per-run ratios: each is one run's agent against its restic.
+                    format!(
+                        "{:.3}",
+                        med(a, |x| 1.0 + x.own_cpu / x.waited_cpu.max(0.01))
+                    ),
+                    fmt(med(a, |x| x.top_hwm) / 1024.0),
+                )
             } else {
-                "-".into()
+                "- | - | - | -".into()
             };
             md.push_str(&format!(
-                "| {} ({} MiB, {} files) | {name} | {} | {} | {} | {} | {} | {} | {agent_rss} | {} |\n",
+                "| {} ({} MiB, {} files) | {name} | {} | {} | {} | {} | {agent_cols} | {} |\n",
                 set.name,
                 fmt(mib(set.bytes)),
                 set.files,
@@ -255,8 +305,6 @@ pub fn run(restic: &Path, agent: &Path, work_dir: &Path, runs: usize, quick: boo
                 fmt(c[v]),
                 fmt(w[v] / w[0]),
                 fmt(c[v] / c[0]),
-                fmt(w[v] / w[1]),
-                fmt(c[v] / c[1]),
                 fmt(med(&samples[v], |x| x.restic_hwm) / 1024.0),
             ));
         }

@@ -3,7 +3,6 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use k8s_openapi::api::core::v1::Pod;
 use kube::api::ListParams;
 use kube::runtime::controller::Action;
 use kube::{Api, ResourceExt};
@@ -13,7 +12,7 @@ use tokio_util::sync::CancellationToken;
 use super::registry::{CancelReason, CancelResult, OperationKind};
 use super::status::{Finalizer, ObjectWriter, VolumeObject, WriteError, now_rfc3339};
 use super::transfer::{self, end, event, finish, monitor, saved_outcome, terminal_phase};
-use super::{Context, Error, volume};
+use super::{Context, Error};
 use crate::crd::{ATTEMPTS_ANNOTATION, Phase, PodVolumeBackup};
 use crate::engine::BackupRequest;
 use crate::uploader::restic::BackupOptions;
@@ -255,17 +254,7 @@ struct Prepared {
 /// Finds the volume, the credentials and the parent snapshot. Errors are messages for the
 /// object's status.
 async fn prepare(ctx: &Context, pvb: &PodVolumeBackup) -> Result<Prepared, String> {
-    let pod_ns = pvb.spec.pod.namespace.clone().unwrap_or_default();
-    let pod_name = pvb.spec.pod.name.clone().unwrap_or_default();
-    let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &pod_ns);
-    let pod = match pods.get_opt(&pod_name).await {
-        Ok(Some(p)) => p,
-        Ok(None) => return Err(format!("pod {pod_ns}/{pod_name} not found")),
-        Err(e) => return Err(format!("cannot read pod {pod_ns}/{pod_name}: {e}")),
-    };
-    let source = volume::resolve(&ctx.client, &ctx.args.host_pods_dir, &pod, &pvb.spec.volume)
-        .await
-        .map_err(|e| format!("cannot locate volume {}: {e}", pvb.spec.volume))?;
+    let source = super::pod_volume_path(ctx, &pvb.spec.pod, &pvb.spec.volume, "pod").await?;
     let uploader = super::uploader_of(ctx, pvb.spec.uploader_type);
     let (access, location) = super::repository_access(
         ctx,

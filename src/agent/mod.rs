@@ -17,6 +17,7 @@ pub mod status;
 pub mod storage;
 pub mod transfer;
 pub mod volume;
+pub mod watched;
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -74,6 +75,27 @@ pub fn uploader_of(ctx: &Context, t: Option<UploaderType>) -> UploaderKind {
         Some(UploaderType::Kopia) => UploaderKind::Kopia,
         _ => ctx.args.default_uploader,
     }
+}
+
+/// The host path of volume `volume` of the pod `pod` names; `role` names the pod in messages
+/// ("pod", "target pod"). Errors are messages for the object's status.
+pub async fn pod_volume_path(
+    ctx: &Context,
+    pod: &crate::crd::PodReference,
+    volume: &str,
+    role: &str,
+) -> Result<PathBuf, String> {
+    let ns = pod.namespace.as_deref().unwrap_or_default();
+    let name = pod.name.as_deref().unwrap_or_default();
+    let pods: Api<k8s_openapi::api::core::v1::Pod> = Api::namespaced(ctx.client.clone(), ns);
+    let pod = match pods.get_opt(name).await {
+        Ok(Some(p)) => p,
+        Ok(None) => return Err(format!("{role} {ns}/{name} not found")),
+        Err(e) => return Err(format!("cannot read {role} {ns}/{name}: {e}")),
+    };
+    volume::resolve(&ctx.client, &ctx.args.host_pods_dir, &pod, volume)
+        .await
+        .map_err(|e| format!("cannot locate volume {volume}: {e}"))
 }
 
 /// The repository, its password file and the storage location's access for one operation. The
@@ -277,16 +299,16 @@ const RECONCILE_CONCURRENCY: u16 = 16;
 /// Only objects for which `ours` holds enter the cache and are reconciled; the others are dropped
 /// as each list page or watch event is decoded. The namespace may hold 100,000 finished
 /// PodVolumeBackups of other nodes (Velero keeps one per volume per backup): caching them, even
-/// trimmed, made the agent's memory grow with the cluster (about 3 KB per object). `slim` trims
-/// what is kept (`managedFields`, which nothing reads).
+/// trimmed, made the agent's memory grow with the cluster (about 3 KB per object), and decoding a
+/// list page of them whole set its high-water mark; [`watched::Watched`] decodes of another
+/// node's object only its name, and of none the `managedFields`.
 fn controller_for<K>(
-    api: Api<K>,
+    api: Api<watched::Watched<K>>,
     synced: Arc<AtomicBool>,
-    slim: impl FnMut(&mut K) + Send + 'static,
     ours: impl Fn(&K) -> bool + Send + Sync + 'static,
 ) -> (Controller<K>, Store<K>)
 where
-    K: kube::Resource<DynamicType = ()>
+    K: watched::WatchedKind
         + Clone
         + std::fmt::Debug
         + serde::de::DeserializeOwned
@@ -295,18 +317,35 @@ where
         + 'static,
 {
     use kube::runtime::WatchStreamExt;
+    use watched::Watched;
     let (reader, writer) = kube::runtime::reflector::store();
+    let keep = move |w: Watched<K>| -> Option<K> {
+        match w {
+            Watched::Whole(k) => ours(&k).then_some(k),
+            Watched::Other(_) => None,
+            Watched::Undecodable(meta, why) => {
+                tracing::warn!(
+                    kind = %K::kind(&()),
+                    name = meta.name.as_deref().unwrap_or(""),
+                    namespace = meta.namespace.as_deref().unwrap_or(""),
+                    reason = %why,
+                    "object does not decode; not handled"
+                );
+                None
+            }
+        }
+    };
     let stream = watcher(api, watcher::Config::default())
         .default_backoff()
-        .try_filter(move |ev| {
-            std::future::ready(match ev {
-                watcher::Event::Apply(o)
-                | watcher::Event::InitApply(o)
-                | watcher::Event::Delete(o) => ours(o),
-                watcher::Event::Init | watcher::Event::InitDone => true,
-            })
+        .try_filter_map(move |ev| {
+            std::future::ready(Ok(match ev {
+                watcher::Event::Apply(o) => keep(o).map(watcher::Event::Apply),
+                watcher::Event::InitApply(o) => keep(o).map(watcher::Event::InitApply),
+                watcher::Event::Delete(o) => keep(o).map(watcher::Event::Delete),
+                watcher::Event::Init => Some(watcher::Event::Init),
+                watcher::Event::InitDone => Some(watcher::Event::InitDone),
+            }))
         })
-        .modify(slim)
         .inspect(move |ev| {
             if let Ok(watcher::Event::InitDone) = ev {
                 synced.store(true, Ordering::SeqCst);
@@ -397,24 +436,22 @@ pub async fn run(args: RunArgs) -> i32 {
     storage::remove_leftovers(&args.scratch_dir);
     // Uploaders of a predecessor killed before it could stop them: their objects are run again.
     crate::runner::kill_recorded(&args.state_dir.join("children")).await;
-    let pvbs: Api<PodVolumeBackup> = Api::namespaced(client.clone(), &args.namespace);
-    let pvrs: Api<PodVolumeRestore> = Api::namespaced(client.clone(), &args.namespace);
+    if let Err(e) = watched::set_node(&args.node_name) {
+        tracing::error!("{e}");
+        return 1;
+    }
+    let pvbs = Api::namespaced(client.clone(), &args.namespace);
+    let pvrs = Api::namespaced(client.clone(), &args.namespace);
     let pvb_synced = Arc::new(AtomicBool::new(false));
     let pvr_synced = Arc::new(AtomicBool::new(false));
     let node = args.node_name.clone();
-    let (pvb_controller, _pvb_store) = controller_for(
-        pvbs,
-        pvb_synced.clone(),
-        |o: &mut PodVolumeBackup| o.metadata.managed_fields = None,
-        move |o: &PodVolumeBackup| o.spec.node == node,
-    );
+    let (pvb_controller, _pvb_store) =
+        controller_for(pvbs, pvb_synced.clone(), move |o: &PodVolumeBackup| {
+            o.spec.node == node
+        });
     // A PodVolumeRestore names no node; which one it is for is found from its pod.
-    let (pvr_controller, _pvr_store) = controller_for(
-        pvrs,
-        pvr_synced.clone(),
-        |o: &mut PodVolumeRestore| o.metadata.managed_fields = None,
-        |_: &PodVolumeRestore| true,
-    );
+    let (pvr_controller, _pvr_store) =
+        controller_for(pvrs, pvr_synced.clone(), |_: &PodVolumeRestore| true);
     let reporter = Reporter {
         controller: "podvolume-agent".into(),
         instance: Some(args.node_name.clone()),

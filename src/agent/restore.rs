@@ -346,17 +346,7 @@ async fn prepare(
     ),
     String,
 > {
-    let ns = pvr.spec.pod.namespace.clone().unwrap_or_default();
-    let name = pvr.spec.pod.name.clone().unwrap_or_default();
-    let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &ns);
-    let pod = match pods.get_opt(&name).await {
-        Ok(Some(p)) => p,
-        Ok(None) => return Err(format!("target pod {ns}/{name} not found")),
-        Err(e) => return Err(format!("cannot read target pod {ns}/{name}: {e}")),
-    };
-    let target = volume::resolve(&ctx.client, &ctx.args.host_pods_dir, &pod, &pvr.spec.volume)
-        .await
-        .map_err(|e| format!("cannot locate volume {}: {e}", pvr.spec.volume))?;
+    let target = super::pod_volume_path(ctx, &pvr.spec.pod, &pvr.spec.volume, "target pod").await?;
     let uploader = super::uploader_of(ctx, pvr.spec.uploader_type);
     let (access, location) = super::repository_access(
         ctx,
