@@ -282,15 +282,12 @@ pub fn run(restic: &Path, agent: &Path, work_dir: &Path, runs: usize, quick: boo
         for (v, name) in variants.iter().enumerate() {
             let agent_cols = if v == 1 {
                 let a = &samples[v];
+                // The median of the per-run ratios: each is one run's agent against its restic.
+                let ratio = med(a, |x| 1.0 + x.own_cpu / x.waited_cpu.max(0.01));
                 format!(
-                    "{} | {} | {} | {}",
+                    "{} | {} | {ratio:.3} | {}",
                     fmt(med(a, |x| x.own_cpu)),
                     fmt(med(a, |x| x.waited_cpu)),
-                    // The median of the per-run ratios: each is one run's agent against its restic.
-                    format!(
-                        "{:.3}",
-                        med(a, |x| 1.0 + x.own_cpu / x.waited_cpu.max(0.01))
-                    ),
                     fmt(med(a, |x| x.top_hwm) / 1024.0),
                 )
             } else {

@@ -3,14 +3,16 @@
 //! [`TestApiServer::start`] serves plain HTTP on `127.0.0.1:<ephemeral port>` and writes a
 //! kubeconfig for it. It implements the slice of the Kubernetes API the agent uses (discovery,
 //! CRDs with pruning and the status subresource, core/v1 objects, list/watch with selectors,
-//! patches, finalizers, TokenReview/SubjectAccessReview) with the semantics of a real API
-//! server, plus fault injection and a request log driven from the test through this handle.
+//! patches, managedFields, finalizers, TokenReview/SubjectAccessReview) with the semantics of a
+//! real API server, plus fault injection and a request log driven from the test through this
+//! handle.
 //! See `testbed/README.md` for the list of behaviours and the limits.
 
 mod auth;
 mod discovery;
 mod error;
 mod faults;
+mod managed;
 mod patch;
 mod resources;
 mod schema;
@@ -219,7 +221,7 @@ impl TestApiServer {
                 continue;
             }
             let mut store = lock(&self.shared.store);
-            out.push(server::upsert_crd(&mut store, v, WriteMode::Direct)?);
+            out.push(server::upsert_crd(&mut store, v, WriteMode::Direct, None)?);
         }
         Ok(out)
     }
@@ -305,7 +307,39 @@ impl TestApiServer {
     /// Create or replace an object (found by its apiVersion and kind) for test setup: the
     /// whole object including status is written, without preconditions; pruning,
     /// resourceVersion, generation, events and finalizer semantics apply as for API writes.
+    /// `metadata.managedFields` are stored as given (none computed): see
+    /// [`put_json_as`](Self::put_json_as) for objects as a real API server would store them.
     pub fn put_json(&self, obj: Value) -> Result<Value, ApiError> {
+        self.put_direct(obj, None)
+    }
+
+    /// [`put_json`](Self::put_json) as written by `manager`: the object is created or replaced
+    /// in the same way, and `metadata.managedFields` are recorded as for an API write (operation
+    /// `Update`) by that manager: on a create it owns every field; on a replace it takes the
+    /// fields whose value it changed or added, and fields no longer there are nobody's. With
+    /// `subresource` `Some("status")` it writes as through `/status` (entry with
+    /// `subresource: status`, owning only the status fields it changed); that needs a resource
+    /// with the status subresource (404 otherwise, as the real server answers). managedFields
+    /// in `obj` replace the stored ones first (none given: the stored ones are kept; `[]`: reset;
+    /// with `Some("status")` they are ignored).
+    ///
+    /// E.g. a Velero PodVolumeBackup: created by `velero-server` without status, then written
+    /// with its status by `node-agent-server` (Velero's CRD has no status subresource: `None`).
+    pub fn put_json_as(
+        &self,
+        manager: &str,
+        subresource: Option<&str>,
+        obj: Value,
+    ) -> Result<Value, ApiError> {
+        if subresource.is_some_and(|s| s != "status") {
+            return Err(ApiError::bad_request(format!(
+                "unsupported subresource {subresource:?} (only \"status\")"
+            )));
+        }
+        self.put_direct(obj, Some(managed::Writer::update(manager, subresource)))
+    }
+
+    fn put_direct(&self, obj: Value, writer: Option<managed::Writer>) -> Result<Value, ApiError> {
         let api_version = obj.get("apiVersion").and_then(Value::as_str).unwrap_or("");
         let kind = obj.get("kind").and_then(Value::as_str).unwrap_or("");
         let (g, v) = split_api_version(api_version);
@@ -318,8 +352,14 @@ impl TestApiServer {
             .ok_or_else(|| {
                 ApiError::bad_request(format!("no resource for {api_version} {kind}"))
             })?;
+        if writer.as_ref().is_some_and(|w| w.subresource.is_some())
+            && !res.version(&v).is_some_and(|vi| vi.status_subresource)
+        {
+            return Err(ApiError::no_route());
+        }
+        let writer = writer.as_ref();
         if res.group == "apiextensions.k8s.io" && res.kind == "CustomResourceDefinition" {
-            return server::upsert_crd(&mut store, obj, WriteMode::Direct);
+            return server::upsert_crd(&mut store, obj, WriteMode::Direct, writer);
         }
         let ns = obj
             .pointer("/metadata/namespace")
@@ -331,10 +371,19 @@ impl TestApiServer {
             .and_then(Value::as_str)
             .unwrap_or("")
             .to_string();
-        if !name.is_empty() && store.get(&res, ns.as_deref(), &name).is_some() {
-            store.update(&res, &v, ns.as_deref(), &name, obj, WriteMode::Direct, true)
+        if !name.is_empty() && store.contains(&res, ns.as_deref(), &name) {
+            store.update(
+                &res,
+                &v,
+                ns.as_deref(),
+                &name,
+                obj,
+                WriteMode::Direct,
+                true,
+                writer,
+            )
         } else {
-            store.create(&res, &v, ns.as_deref(), obj, WriteMode::Direct)
+            store.create(&res, &v, ns.as_deref(), obj, WriteMode::Direct, writer)
         }
     }
 

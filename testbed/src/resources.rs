@@ -1,13 +1,15 @@
 //! The resource registry: built-in resources and resources defined by CRDs.
 
 use serde_json::Value;
+use std::sync::Arc;
 
 /// One served version of a resource.
 #[derive(Debug, Clone)]
 pub(crate) struct VersionInfo {
     pub name: String,
-    /// `openAPIV3Schema` (custom resources only): unknown fields are pruned against it.
-    pub schema: Option<Value>,
+    /// `openAPIV3Schema` (custom resources only): unknown fields are pruned against it. Shared:
+    /// every request clones its resource's description.
+    pub schema: Option<Arc<Value>>,
     pub status_subresource: bool,
     /// Extra field selectors (`spec.nodeName` for pods, a CRD's `selectableFields`).
     pub selectable_fields: Vec<String>,
@@ -148,7 +150,7 @@ impl ResourceInfo {
             };
             versions.push(VersionInfo {
                 name: vname.to_string(),
-                schema: v.pointer("/schema/openAPIV3Schema").cloned(),
+                schema: v.pointer("/schema/openAPIV3Schema").cloned().map(Arc::new),
                 status_subresource: v.pointer("/subresources/status").is_some(),
                 selectable_fields: v
                     .get("selectableFields")

@@ -4,6 +4,7 @@ use crate::auth::AuthConfig;
 use crate::discovery;
 use crate::error::ApiError;
 use crate::faults::{FaultAction, Faults, RequestInfo, RequestRecord};
+use crate::managed::{Operation, Writer, manager_name};
 use crate::patch::{JsonPatchError, json_patch, merge_patch};
 use crate::resources::ResourceInfo;
 use crate::selectors::{FieldSelector, LabelSelector};
@@ -258,11 +259,20 @@ async fn handle(
         .and_then(|v| v.to_str().ok())
         .unwrap_or("")
         .to_string();
+    let user_agent = req
+        .headers()
+        .get("user-agent")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string);
     let body = match req.into_body().collect().await {
         Ok(c) => c.to_bytes(),
         Err(_) => Bytes::new(),
     };
     let query = parse_query(&query_raw);
+    let manager = manager_name(
+        query.get("fieldManager").map(String::as_str),
+        user_agent.as_deref(),
+    );
     let route = parse_route(&path);
     let info = request_info(&method, &route, &query);
     let (delay, action) = lock(&shared.faults).evaluate(&info);
@@ -293,26 +303,43 @@ async fn handle(
                 info.name.as_deref().unwrap_or(""),
             ))
         }
-        _ => match dispatch(&shared, &method, route, &info, &query, &content_type, &body) {
-            Ok(r) => r,
-            Err(e) => error_response(&e),
-        },
+        _ => {
+            let req = ApiRequest {
+                method: &method,
+                info: &info,
+                query: &query,
+                content_type: &content_type,
+                manager,
+                body: &body,
+            };
+            match dispatch(&shared, route, &req) {
+                Ok(r) => r,
+                Err(e) => error_response(&e),
+            }
+        }
     };
     record.status = response.status().as_u16();
     lock(&shared.log).push(record);
     Ok(response)
 }
 
+/// What the handlers need of a request.
+struct ApiRequest<'a> {
+    method: &'a Method,
+    info: &'a RequestInfo,
+    query: &'a HashMap<String, String>,
+    content_type: &'a str,
+    /// The field manager of its writes (`fieldManager`, else the User-Agent's prefix).
+    manager: String,
+    body: &'a Bytes,
+}
+
 fn dispatch(
     shared: &Arc<Shared>,
-    method: &Method,
     route: Route,
-    info: &RequestInfo,
-    query: &HashMap<String, String>,
-    content_type: &str,
-    body: &Bytes,
+    req: &ApiRequest<'_>,
 ) -> Result<Response<Body>, ApiError> {
-    if !matches!(route, Route::Resource { .. }) && *method != Method::GET {
+    if !matches!(route, Route::Resource { .. }) && *req.method != Method::GET {
         return Err(ApiError::method_not_allowed());
     }
     match route {
@@ -355,14 +382,14 @@ fn dispatch(
                 .filter(|r| r.version(&version).is_some())
                 .cloned()
                 .ok_or_else(ApiError::no_route)?;
-            let req = ResourceRequest {
+            let rreq = ResourceRequest {
                 res,
                 version,
                 namespace,
                 name,
                 sub,
             };
-            req.serve(shared, info, query, content_type, body)
+            rreq.serve(shared, req)
         }
     }
 }
@@ -406,11 +433,14 @@ fn crd_status(crd: &Value) -> Value {
     })
 }
 
-/// Create or update a CRD object and (re)register the resource it defines.
+/// Create or update a CRD object and (re)register the resource it defines. With a `writer`
+/// (API writes, `put_json_as`) the write is recorded in managedFields, and the status the
+/// server then sets as written by `kube-apiserver` through `/status`, as on a real server.
 pub(crate) fn upsert_crd(
     store: &mut Store,
     crd: Value,
     mode: WriteMode,
+    writer: Option<&Writer>,
 ) -> Result<Value, ApiError> {
     let crd_res = store
         .resource("apiextensions.k8s.io", "customresourcedefinitions")
@@ -424,12 +454,13 @@ pub(crate) fn upsert_crd(
     let info = ResourceInfo::from_crd(&crd)
         .map_err(|e| ApiError::invalid(&crd_res.group, &crd_res.kind, &name, &e))?;
     let obj = match store.get(&crd_res, None, &name) {
-        None => store.create(&crd_res, "v1", None, crd, mode)?,
-        Some(_) => store.update(&crd_res, "v1", None, &name, crd, mode, true)?,
+        None => store.create(&crd_res, "v1", None, crd, mode, writer)?,
+        Some(_) => store.update(&crd_res, "v1", None, &name, crd, mode, true, writer)?,
     };
     store.register(info);
     let mut with_status = obj.clone();
     with_status["status"] = crd_status(&obj);
+    let status_writer = writer.map(|_| Writer::update("kube-apiserver", Some("status")));
     store.update(
         &crd_res,
         "v1",
@@ -438,6 +469,7 @@ pub(crate) fn upsert_crd(
         with_status,
         WriteMode::Status,
         true,
+        status_writer.as_ref(),
     )
 }
 
@@ -463,16 +495,15 @@ impl ResourceRequest {
         Ok((label, field))
     }
 
-    fn serve(
-        self,
-        shared: &Arc<Shared>,
-        info: &RequestInfo,
-        query: &HashMap<String, String>,
-        content_type: &str,
-        body: &Bytes,
-    ) -> Result<Response<Body>, ApiError> {
+    /// The writer of an update/patch/create of this request (not server-side apply).
+    fn writer(&self, req: &ApiRequest<'_>) -> Writer {
+        Writer::update(&req.manager, self.sub.as_deref())
+    }
+
+    fn serve(self, shared: &Arc<Shared>, req: &ApiRequest<'_>) -> Result<Response<Body>, ApiError> {
+        let (query, body) = (req.query, req.body);
         let res = &self.res;
-        let verb = info.verb.as_str();
+        let verb = req.info.verb.as_str();
         if res.create_only && verb != "create" {
             return Err(ApiError::method_not_allowed());
         }
@@ -553,9 +584,10 @@ impl ResourceRequest {
                 ))
             }
             "watch" => self.watch(shared, query),
-            "create" => self.create(shared, body),
+            "create" => self.create(shared, req),
             "update" => {
                 let obj = parse_json(body)?;
+                let writer = self.writer(req);
                 let name = self.name.as_deref().unwrap_or("");
                 let mode = if self.sub.is_some() {
                     WriteMode::Status
@@ -569,17 +601,35 @@ impl ResourceRequest {
                         return Err(ApiError::not_found(&res.group, &res.plural, name));
                     }
                     if mode == WriteMode::Status {
-                        store.update(res, &self.version, None, name, obj, mode, false)?
+                        store.update(
+                            res,
+                            &self.version,
+                            None,
+                            name,
+                            obj,
+                            mode,
+                            false,
+                            Some(&writer),
+                        )?
                     } else {
                         obj["metadata"]["name"] = json!(name);
-                        upsert_crd(&mut store, obj, WriteMode::Main)?
+                        upsert_crd(&mut store, obj, WriteMode::Main, Some(&writer))?
                     }
                 } else {
-                    store.update(res, &self.version, self.ns(), name, obj, mode, false)?
+                    store.update(
+                        res,
+                        &self.version,
+                        self.ns(),
+                        name,
+                        obj,
+                        mode,
+                        false,
+                        Some(&writer),
+                    )?
                 };
                 Ok(json_response(200, &output(out, res, &self.version)))
             }
-            "patch" => self.patch(shared, query, content_type, body),
+            "patch" => self.patch(shared, req),
             "delete" => {
                 let options = if body.is_empty() {
                     Value::Null
@@ -636,12 +686,17 @@ impl ResourceRequest {
         }
     }
 
-    fn create(&self, shared: &Arc<Shared>, body: &Bytes) -> Result<Response<Body>, ApiError> {
+    fn create(
+        &self,
+        shared: &Arc<Shared>,
+        req: &ApiRequest<'_>,
+    ) -> Result<Response<Body>, ApiError> {
         let res = &self.res;
         if self.name.is_some() {
             return Err(ApiError::method_not_allowed());
         }
-        let obj = parse_json(body)?;
+        let obj = parse_json(req.body)?;
+        let writer = self.writer(req);
         if res.create_only {
             let mut obj = output(obj, res, &self.version);
             obj["kind"] = json!(res.kind);
@@ -661,9 +716,16 @@ impl ResourceRequest {
             if store.get(res, None, name).is_some() {
                 return Err(ApiError::already_exists(&res.group, &res.plural, name));
             }
-            upsert_crd(&mut store, obj, WriteMode::Main)?
+            upsert_crd(&mut store, obj, WriteMode::Main, Some(&writer))?
         } else {
-            store.create(res, &self.version, self.ns(), obj, WriteMode::Main)?
+            store.create(
+                res,
+                &self.version,
+                self.ns(),
+                obj,
+                WriteMode::Main,
+                Some(&writer),
+            )?
         };
         Ok(json_response(201, &output(out, res, &self.version)))
     }
@@ -671,10 +733,10 @@ impl ResourceRequest {
     fn patch(
         &self,
         shared: &Arc<Shared>,
-        query: &HashMap<String, String>,
-        content_type: &str,
-        body: &Bytes,
+        req: &ApiRequest<'_>,
     ) -> Result<Response<Body>, ApiError> {
+        let (query, content_type, body) = (req.query, req.content_type, req.body);
+        let mut writer = self.writer(req);
         let res = &self.res;
         let name = self.name.as_deref().unwrap_or("");
         let media = content_type.split(';').next().unwrap_or("").trim();
@@ -730,12 +792,26 @@ impl ResourceRequest {
                         )));
                     }
                 }
+                if patch
+                    .pointer("/metadata/managedFields")
+                    .is_some_and(|m| !m.is_null())
+                {
+                    return Err(ApiError::bad_request("metadata.managedFields must be nil"));
+                }
+                writer.operation = Operation::Apply(patch.clone());
                 match existing {
                     None => {
                         let out = if is_crd(res) {
-                            upsert_crd(&mut store, patch, WriteMode::Main)?
+                            upsert_crd(&mut store, patch, WriteMode::Main, Some(&writer))?
                         } else {
-                            store.create(res, &self.version, self.ns(), patch, WriteMode::Main)?
+                            store.create(
+                                res,
+                                &self.version,
+                                self.ns(),
+                                patch,
+                                WriteMode::Main,
+                                Some(&writer),
+                            )?
                         };
                         return Ok(json_response(201, &output(out, res, &self.version)));
                     }
@@ -748,9 +824,18 @@ impl ResourceRequest {
             other => return Err(ApiError::unsupported_media_type(other)),
         };
         let out = if is_crd(res) && mode == WriteMode::Main {
-            upsert_crd(&mut store, patched, WriteMode::Main)?
+            upsert_crd(&mut store, patched, WriteMode::Main, Some(&writer))?
         } else {
-            store.update(res, &self.version, self.ns(), name, patched, mode, true)?
+            store.update(
+                res,
+                &self.version,
+                self.ns(),
+                name,
+                patched,
+                mode,
+                true,
+                Some(&writer),
+            )?
         };
         Ok(json_response(200, &output(out, res, &self.version)))
     }

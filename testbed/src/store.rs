@@ -2,6 +2,7 @@
 //! status subresource, generation, finalizers) and a bounded event history for watches.
 
 use crate::error::ApiError;
+use crate::managed::{self, Writer};
 use crate::resources::{ResourceInfo, builtins};
 use crate::schema::{prune_object_meta, prune_root};
 use serde_json::{Map, Value, json};
@@ -125,18 +126,23 @@ fn random_suffix() -> String {
         .collect()
 }
 
-/// The part of an object whose change bumps `metadata.generation`.
-fn generation_view(obj: &Value, status_subresource: bool) -> Value {
-    let mut v = obj.clone();
-    if let Value::Object(m) = &mut v {
-        m.remove("metadata");
-        m.remove("apiVersion");
-        m.remove("kind");
-        if status_subresource {
-            m.remove("status");
-        }
-    }
-    v
+/// Whether `a` and `b` differ in the part of an object whose change bumps
+/// `metadata.generation`: all but metadata, apiVersion, kind (and status with the status
+/// subresource).
+fn generation_changed(a: &Value, b: &Value, status_subresource: bool) -> bool {
+    let counted = |k: &str| match k {
+        "metadata" | "apiVersion" | "kind" => false,
+        "status" => !status_subresource,
+        _ => true,
+    };
+    let (Value::Object(a), Value::Object(b)) = (a, b) else {
+        return a != b;
+    };
+    let n = |m: &Map<String, Value>| m.keys().filter(|k| counted(k)).count();
+    n(a) != n(b)
+        || a.iter()
+            .filter(|(k, _)| counted(k))
+            .any(|(k, v)| b.get(k) != Some(v))
 }
 
 impl Store {
@@ -163,7 +169,7 @@ impl Store {
         for name in ["default", "kube-system", "kube-public", "kube-node-lease"] {
             let obj = json!({"metadata": {"name": name}, "spec": {"finalizers": ["kubernetes"]}, "status": {"phase": "Active"}});
             store
-                .create(&ns, "v1", None, obj, WriteMode::Direct)
+                .create(&ns, "v1", None, obj, WriteMode::Direct, None)
                 .expect("default namespaces");
         }
         store
@@ -243,6 +249,10 @@ impl Store {
 
     pub fn get(&self, res: &ResourceInfo, ns: Option<&str>, name: &str) -> Option<Value> {
         self.objects.get(&ObjKey::new(res, ns, name)).cloned()
+    }
+
+    pub fn contains(&self, res: &ResourceInfo, ns: Option<&str>, name: &str) -> bool {
+        self.objects.contains_key(&ObjKey::new(res, ns, name))
     }
 
     /// All objects of a resource, in one namespace or all of them.
@@ -330,7 +340,7 @@ impl Store {
             meta.remove("namespace");
         }
         if res.custom
-            && let Some(schema) = res.version(version).and_then(|v| v.schema.as_ref())
+            && let Some(schema) = res.version(version).and_then(|v| v.schema.as_deref())
         {
             prune_root(obj, schema);
         }
@@ -341,6 +351,8 @@ impl Store {
         res.version(version).is_some_and(|v| v.status_subresource)
     }
 
+    /// Create an object. `writer` (API writes and `put_json_as`) is recorded in
+    /// `metadata.managedFields`; without one (test setup) they are stored as given.
     pub fn create(
         &mut self,
         res: &ResourceInfo,
@@ -348,6 +360,7 @@ impl Store {
         ns: Option<&str>,
         mut obj: Value,
         mode: WriteMode,
+        writer: Option<&Writer>,
     ) -> Result<Value, ApiError> {
         self.prepare(res, version, ns, &mut obj)?;
         let direct = mode == WriteMode::Direct;
@@ -402,11 +415,17 @@ impl Store {
         }
         meta.insert("generation".into(), json!(1));
         meta.insert("resourceVersion".into(), json!(rv.to_string()));
+        if let Some(w) = writer {
+            let status_sub = Self::status_subresource(res, version);
+            managed::record(w, &res.api_version(version), status_sub, None, &mut obj);
+        }
         self.objects.insert(key, obj.clone());
         self.record_for(res, EventType::Added, &obj, None);
         Ok(obj)
     }
 
+    /// Replace an object (`mode` says which part). `writer` as for [`create`](Self::create); a
+    /// write that changes nothing changes no managedFields either.
     #[allow(clippy::too_many_arguments)]
     pub fn update(
         &mut self,
@@ -417,12 +436,13 @@ impl Store {
         mut obj: Value,
         mode: WriteMode,
         allow_unconditional: bool,
+        writer: Option<&Writer>,
     ) -> Result<Value, ApiError> {
         let key = ObjKey::new(res, ns, name);
+        // Borrowed until the write: the stored object is replaced, not copied.
         let existing = self
             .objects
             .get(&key)
-            .cloned()
             .ok_or_else(|| ApiError::not_found(&res.group, &res.plural, name))?;
         self.prepare(res, version, ns, &mut obj)?;
         match meta_str(&obj, "name") {
@@ -436,7 +456,7 @@ impl Store {
                 )));
             }
         }
-        let current_rv = meta_str(&existing, "resourceVersion")
+        let current_rv = meta_str(existing, "resourceVersion")
             .unwrap_or("")
             .to_string();
         if mode != WriteMode::Direct {
@@ -487,10 +507,7 @@ impl Store {
             _ => obj,
         };
         // System fields come from the stored object.
-        let old_meta = existing["metadata"]
-            .as_object()
-            .cloned()
-            .unwrap_or_default();
+        let old_meta = existing.get("metadata").and_then(Value::as_object);
         let direct = mode == WriteMode::Direct;
         {
             let meta = meta_mut(&mut new);
@@ -503,7 +520,7 @@ impl Store {
                 if direct && meta.get(f).is_some_and(|v| !v.is_null()) {
                     continue;
                 }
-                match old_meta.get(f) {
+                match old_meta.and_then(|m| m.get(f)) {
                     Some(v) => {
                         meta.insert(f.into(), v.clone());
                     }
@@ -517,7 +534,7 @@ impl Store {
             .pointer("/metadata/deletionTimestamp")
             .is_some_and(|v| !v.is_null());
         if deleting && !direct && existing.pointer("/metadata/deletionTimestamp").is_some() {
-            let old = finalizers(&existing);
+            let old = finalizers(existing);
             let added: Vec<String> = finalizers(&new)
                 .into_iter()
                 .filter(|f| !old.contains(f))
@@ -537,22 +554,32 @@ impl Store {
             .pointer("/metadata/generation")
             .and_then(Value::as_i64)
             .unwrap_or(1);
-        let generation =
-            if generation_view(&new, status_sub) != generation_view(&existing, status_sub) {
-                old_gen + 1
-            } else {
-                old_gen
-            };
+        let generation = if generation_changed(&new, existing, status_sub) {
+            old_gen + 1
+        } else {
+            old_gen
+        };
         {
             let meta = meta_mut(&mut new);
             meta.insert("generation".into(), json!(generation));
             meta.insert("resourceVersion".into(), json!(current_rv));
         }
-        let mut existing_cmp = existing.clone();
-        existing_cmp["apiVersion"] = new["apiVersion"].clone();
-        if new == existing_cmp {
+        if let Some(w) = writer {
+            managed::record(
+                w,
+                &res.api_version(version),
+                status_sub,
+                Some(existing),
+                &mut new,
+            );
+        }
+        // With a writer, a change of nothing but managedFields times (an apply of what is
+        // there) is no change either: the stored times stay.
+        if managed::same_object(&new, existing, writer.is_some()) {
             // No change: the real server answers with the stored object, no new resourceVersion.
-            return Ok(existing_cmp);
+            let mut out = existing.clone();
+            out["apiVersion"] = new["apiVersion"].clone();
+            return Ok(out);
         }
         let rv = self.bump();
         meta_mut(&mut new).insert("resourceVersion".into(), json!(rv.to_string()));
@@ -560,8 +587,8 @@ impl Store {
             self.objects.remove(&key);
             self.record_for(res, EventType::Deleted, &new, None);
         } else {
-            self.objects.insert(key, new.clone());
-            self.record_for(res, EventType::Modified, &new, Some(existing));
+            let prev = self.objects.insert(key, new.clone());
+            self.record_for(res, EventType::Modified, &new, prev);
         }
         Ok(new)
     }

@@ -103,17 +103,31 @@ async fn raw(
     content_type: &str,
     body: Value,
 ) -> (u16, Value) {
+    raw_with(client, method, path, content_type, &[], body).await
+}
+
+/// [`raw`] with extra request headers (e.g. a User-Agent).
+async fn raw_with(
+    client: &kube::Client,
+    method: &str,
+    path: &str,
+    content_type: &str,
+    headers: &[(&str, &str)],
+    body: Value,
+) -> (u16, Value) {
     let bytes = if body.is_null() {
         Vec::new()
     } else {
         serde_json::to_vec(&body).unwrap()
     };
-    let req = http::Request::builder()
+    let mut req = http::Request::builder()
         .method(method)
         .uri(path)
-        .header("content-type", content_type)
-        .body(kube::client::Body::from(bytes))
-        .unwrap();
+        .header("content-type", content_type);
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    let req = req.body(kube::client::Body::from(bytes)).unwrap();
     let resp = client.send(req).await.expect("send");
     let code = resp.status().as_u16();
     let bytes = resp.into_body().collect().await.unwrap().to_bytes();
@@ -1503,6 +1517,15 @@ async fn crd_lifecycle_over_http() {
         .replace("velero.io", "other.example.com");
     let crd = serde_norway::from_str(&text).unwrap();
     let created = crds.create(&PostParams::default(), &crd).await.unwrap();
+    // Its creator's managedFields entry, and kube-apiserver's for the status it set.
+    let mf = serde_json::to_value(created.metadata.managed_fields.clone().unwrap()).unwrap();
+    let mf = mf.as_array().unwrap();
+    assert_eq!(mf.len(), 2, "{mf:#?}");
+    assert!(mf_entry(mf, "unknown", "Update")["fieldsV1"]["f:spec"].is_object());
+    let status = mf_entry(mf, "kube-apiserver", "Update");
+    assert_eq!(status["subresource"], "status");
+    assert!(status["fieldsV1"]["f:status"]["f:conditions"].is_object());
+    assert!(status["fieldsV1"].get("f:spec").is_none());
     let conditions = created.status.unwrap().conditions.unwrap();
     assert!(
         conditions
@@ -1534,4 +1557,430 @@ async fn crd_lifecycle_over_http() {
     .await
     .unwrap();
     assert_eq!(api_error(pvrs.list(&ListParams::default()).await).code, 404);
+}
+
+/// `metadata.managedFields` of an object (empty if it has none).
+fn managed_fields(o: &Value) -> Vec<Value> {
+    o["metadata"]["managedFields"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default()
+}
+
+/// The managedFields entry of `manager` (with `operation`), panicking if there is none.
+fn mf_entry<'a>(mf: &'a [Value], manager: &str, operation: &str) -> &'a Value {
+    mf.iter()
+        .find(|e| e["manager"] == manager && e["operation"] == operation)
+        .unwrap_or_else(|| panic!("no {operation} entry of {manager} in {mf:#?}"))
+}
+
+#[tokio::test]
+async fn managed_fields_recorded_per_manager() {
+    let (server, client) = setup().await;
+    let av = format!("{STATUS_GROUP}/v1");
+    let coll = format!("/apis/{STATUS_GROUP}/v1/namespaces/{NS}/podvolumebackups");
+    let path = format!("{coll}/a");
+    let merge = "application/merge-patch+json";
+    let mut body = serde_json::to_value(pvb("a", "n1")).unwrap();
+    body["apiVersion"] = json!(av);
+    body["status"] = json!({"phase": "New"});
+
+    // Create by one manager (fieldManager): one Update entry owning every field it wrote
+    // (status excluded: the status subresource resets it), no system field.
+    let (code, created) = raw(
+        &client,
+        "POST",
+        &format!("{coll}?fieldManager=creator"),
+        "application/json",
+        body,
+    )
+    .await;
+    assert_eq!(code, 201);
+    let mf = managed_fields(&created);
+    assert_eq!(mf.len(), 1, "{mf:#?}");
+    let creator = &mf[0];
+    assert_eq!(creator["manager"], "creator");
+    assert_eq!(creator["operation"], "Update");
+    assert_eq!(creator["apiVersion"], av.as_str());
+    assert_eq!(creator["fieldsType"], "FieldsV1");
+    assert!(creator.get("subresource").is_none());
+    let time = creator["time"].as_str().unwrap();
+    assert!(
+        time.len() == 20 && time.ends_with('Z') && time.as_bytes()[10] == b'T',
+        "{time}"
+    );
+    let creator_fields = json!({
+        "f:metadata": {"f:labels": {".": {}, "f:velero.io/backup-name": {}}},
+        "f:spec": {".": {}, "f:backupStorageLocation": {}, "f:node": {},
+                   "f:pod": {".": {}, "f:kind": {}, "f:name": {}, "f:namespace": {}, "f:uid": {}},
+                   "f:repoIdentifier": {}, "f:volume": {}},
+    });
+    assert_eq!(creator["fieldsV1"], creator_fields);
+    // GET and list show them as stored.
+    let stored = server
+        .get_json(&av, "podvolumebackups", Some(NS), "a")
+        .unwrap();
+    assert_eq!(managed_fields(&stored), mf);
+    let got = api(&client, STATUS_GROUP).get("a").await.unwrap();
+    assert_eq!(
+        serde_json::to_value(got.metadata.managed_fields.unwrap()).unwrap(),
+        json!(mf)
+    );
+    let (_, list) = raw(&client, "GET", &coll, "", Value::Null).await;
+    assert_eq!(managed_fields(&list["items"][0]), mf);
+
+    // A /status merge patch by a second manager known only by its User-Agent.
+    let ua = [(
+        "user-agent",
+        "status-writer/1.2.3 (linux/amd64) kubernetes/abcdef",
+    )];
+    let status_patch = json!({"status": {"phase": "InProgress", "progress": {"totalBytes": 10}}});
+    let (code, st) = raw_with(
+        &client,
+        "PATCH",
+        &format!("{path}/status"),
+        merge,
+        &ua,
+        status_patch.clone(),
+    )
+    .await;
+    assert_eq!(code, 200);
+    let mf = managed_fields(&st);
+    assert_eq!(mf.len(), 2, "{mf:#?}");
+    assert_eq!(mf_entry(&mf, "creator", "Update"), creator);
+    let writer = mf_entry(&mf, "status-writer", "Update");
+    assert_eq!(writer["subresource"], "status");
+    assert_eq!(
+        writer["fieldsV1"],
+        json!({"f:status": {".": {}, "f:phase": {}, "f:progress": {".": {}, "f:totalBytes": {}}}})
+    );
+
+    // No-op patches change nothing: same resourceVersion, same managedFields.
+    let (code, again) = raw_with(
+        &client,
+        "PATCH",
+        &format!("{path}/status"),
+        merge,
+        &ua,
+        status_patch,
+    )
+    .await;
+    assert_eq!(code, 200);
+    assert_eq!(
+        again["metadata"]["resourceVersion"],
+        st["metadata"]["resourceVersion"]
+    );
+    assert_eq!(managed_fields(&again), mf);
+    let (_, same) = raw(
+        &client,
+        "PATCH",
+        &format!("{path}?fieldManager=somebody"),
+        merge,
+        json!({"spec": {"node": "n1"}}),
+    )
+    .await;
+    assert_eq!(
+        same["metadata"]["resourceVersion"],
+        st["metadata"]["resourceVersion"]
+    );
+    assert_eq!(managed_fields(&same), mf);
+
+    // The creator changing one of its fields keeps it, and takes nothing from anybody.
+    let (_, changed) = raw(
+        &client,
+        "PATCH",
+        &format!("{path}?fieldManager=creator"),
+        merge,
+        json!({"spec": {"volume": "v2"}}),
+    )
+    .await;
+    assert_eq!(changed["spec"]["volume"], "v2");
+    let mf = managed_fields(&changed);
+    assert_eq!(mf.len(), 2, "{mf:#?}");
+    assert_eq!(
+        mf_entry(&mf, "creator", "Update")["fieldsV1"],
+        creator_fields
+    );
+    assert_eq!(mf_entry(&mf, "status-writer", "Update"), writer);
+
+    // Another manager changing a field the creator owned takes it over.
+    let (_, taken) = raw(
+        &client,
+        "PATCH",
+        &format!("{path}?fieldManager=other"),
+        merge,
+        json!({"spec": {"node": "n2"}}),
+    )
+    .await;
+    let mf = managed_fields(&taken);
+    assert_eq!(mf.len(), 3, "{mf:#?}");
+    let mut without_node = creator_fields.clone();
+    without_node["f:spec"]
+        .as_object_mut()
+        .unwrap()
+        .remove("f:node");
+    assert_eq!(mf_entry(&mf, "creator", "Update")["fieldsV1"], without_node);
+    assert_eq!(
+        mf_entry(&mf, "other", "Update")["fieldsV1"],
+        json!({"f:spec": {"f:node": {}}})
+    );
+    assert_eq!(mf_entry(&mf, "status-writer", "Update"), writer);
+
+    // A field removed is removed from its owner's set; the remover gains nothing.
+    let other = mf_entry(&mf, "other", "Update").clone();
+    let (_, removed) = raw(
+        &client,
+        "PATCH",
+        &format!("{path}?fieldManager=other"),
+        merge,
+        json!({"spec": {"repoIdentifier": null}}),
+    )
+    .await;
+    assert!(removed["spec"].get("repoIdentifier").is_none());
+    let mf = managed_fields(&removed);
+    let mut without_repo = without_node.clone();
+    without_repo["f:spec"]
+        .as_object_mut()
+        .unwrap()
+        .remove("f:repoIdentifier");
+    assert_eq!(mf_entry(&mf, "creator", "Update")["fieldsV1"], without_repo);
+    assert_eq!(mf_entry(&mf, "other", "Update"), &other);
+
+    // Server-side apply: an Apply entry owning what was applied; the field it changed is
+    // taken from its owner, whose entry, left empty, is dropped.
+    let apply = |node: &str| {
+        json!({"apiVersion": av, "kind": "PodVolumeBackup", "metadata": {"name": "a"},
+               "spec": {"node": node, "uploaderType": "restic"}})
+    };
+    let api = api(&client, STATUS_GROUP);
+    let applied = api
+        .patch(
+            "a",
+            &PatchParams::apply("applier"),
+            &Patch::Apply(apply("n3")),
+        )
+        .await
+        .unwrap();
+    let applied = serde_json::to_value(applied).unwrap();
+    let mf = managed_fields(&applied);
+    assert_eq!(mf.len(), 3, "{mf:#?}");
+    let entry = mf_entry(&mf, "applier", "Apply");
+    assert_eq!(
+        entry["fieldsV1"],
+        json!({"f:spec": {"f:node": {}, "f:uploaderType": {}}})
+    );
+    assert!(entry.get("subresource").is_none());
+    assert_eq!(mf[0]["operation"], "Apply", "Apply entries come first");
+    assert!(mf.iter().all(|e| e["manager"] != "other"), "{mf:#?}");
+    // The same apply again, a second later, is a no-op (the stored time stays).
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let again = api
+        .patch(
+            "a",
+            &PatchParams::apply("applier"),
+            &Patch::Apply(apply("n3")),
+        )
+        .await
+        .unwrap();
+    let again = serde_json::to_value(again).unwrap();
+    assert_eq!(
+        again["metadata"]["resourceVersion"],
+        applied["metadata"]["resourceVersion"]
+    );
+    assert_eq!(managed_fields(&again), mf);
+    // managedFields in an apply patch: 400.
+    let mut bad = apply("n4");
+    bad["metadata"]["managedFields"] = json!([{"manager": "x"}]);
+    let (code, _) = raw(
+        &client,
+        "PATCH",
+        &format!("{path}?fieldManager=applier"),
+        "application/apply-patch+yaml",
+        bad,
+    )
+    .await;
+    assert_eq!(code, 400);
+
+    // Client-supplied managedFields replace the stored ones before the write is recorded.
+    let imported = json!({"manager": "imported", "operation": "Update", "apiVersion": av,
+        "time": "2026-01-01T00:00:00Z", "fieldsType": "FieldsV1",
+        "fieldsV1": {"f:spec": {"f:node": {}, "f:volume": {}}}});
+    let (_, replaced) = raw(
+        &client,
+        "PATCH",
+        &format!("{path}?fieldManager=third"),
+        merge,
+        json!({"metadata": {"managedFields": [imported]}, "spec": {"volume": "v5"}}),
+    )
+    .await;
+    let mf = managed_fields(&replaced);
+    assert_eq!(mf.len(), 2, "{mf:#?}");
+    assert_eq!(
+        mf_entry(&mf, "imported", "Update")["fieldsV1"],
+        json!({"f:spec": {"f:node": {}}})
+    );
+    assert_eq!(
+        mf_entry(&mf, "imported", "Update")["time"],
+        "2026-01-01T00:00:00Z"
+    );
+    assert_eq!(
+        mf_entry(&mf, "third", "Update")["fieldsV1"],
+        json!({"f:spec": {"f:volume": {}}})
+    );
+    // ...but not through /status, where the stored ones always count.
+    let (_, ignored) = raw_with(
+        &client,
+        "PATCH",
+        &format!("{path}/status"),
+        merge,
+        &ua,
+        json!({"metadata": {"managedFields": [{"manager": "forged", "operation": "Update",
+            "fieldsV1": {"f:spec": {}}}]}, "status": {"phase": "Completed"}}),
+    )
+    .await;
+    let mf_after = managed_fields(&ignored);
+    assert!(mf_after.iter().all(|e| e["manager"] != "forged"));
+    assert_eq!(mf_after.len(), 3, "{mf_after:#?}");
+
+    // An empty list resets them: the write's own entry is then the only one.
+    let (_, reset) = raw(
+        &client,
+        "PATCH",
+        &format!("{path}?fieldManager=resetter"),
+        merge,
+        json!({"metadata": {"managedFields": []}, "spec": {"volume": "v6"}}),
+    )
+    .await;
+    let mf = managed_fields(&reset);
+    assert_eq!(mf.len(), 1, "{mf:#?}");
+    assert_eq!(mf[0]["manager"], "resetter");
+    assert_eq!(mf[0]["fieldsV1"], json!({"f:spec": {"f:volume": {}}}));
+
+    // Without fieldManager nor User-Agent: "unknown".
+    let (_, anon) = raw_with(
+        &client,
+        "PATCH",
+        &path,
+        merge,
+        &[("user-agent", "")],
+        json!({"spec": {"volume": "v7"}}),
+    )
+    .await;
+    let mf = managed_fields(&anon);
+    assert_eq!(
+        mf_entry(&mf, "unknown", "Update")["fieldsV1"],
+        json!({"f:spec": {"f:volume": {}}})
+    );
+}
+
+#[tokio::test]
+async fn managed_fields_of_put_json_as_and_put_json() {
+    let (server, client) = setup().await;
+    // Velero's CRD (no status subresource): created by Velero's server, then written with its
+    // status by the node agent.
+    let without_status = serde_json::to_value(pvb("b", "n1")).unwrap();
+    let created = server
+        .put_json_as("velero-server", None, without_status.clone())
+        .unwrap();
+    let mf = managed_fields(&created);
+    assert_eq!(mf.len(), 1, "{mf:#?}");
+    assert_eq!(mf[0]["manager"], "velero-server");
+    assert_eq!(mf[0]["operation"], "Update");
+    assert_eq!(mf[0]["apiVersion"], "velero.io/v1");
+    assert!(mf[0].get("subresource").is_none());
+    assert_eq!(mf[0]["fieldsV1"]["f:spec"]["f:node"], json!({}));
+    assert!(mf[0]["fieldsV1"].get("f:status").is_none());
+    let creator = mf[0].clone();
+    let mut with_status = without_status.clone();
+    with_status["status"] =
+        json!({"phase": "Completed", "progress": {"totalBytes": 5, "bytesDone": 5}});
+    let written = server
+        .put_json_as("node-agent-server", None, with_status.clone())
+        .unwrap();
+    let mf = managed_fields(&written);
+    assert_eq!(mf.len(), 2, "{mf:#?}");
+    assert_eq!(mf_entry(&mf, "velero-server", "Update"), &creator);
+    assert_eq!(
+        mf_entry(&mf, "node-agent-server", "Update")["fieldsV1"],
+        json!({"f:status": {".": {}, "f:phase": {}, "f:progress": {".": {}, "f:bytesDone": {}, "f:totalBytes": {}}}})
+    );
+    // What the API serves is what is stored.
+    let served = api(&client, "velero.io").get("b").await.unwrap();
+    assert_eq!(
+        serde_json::to_value(served.metadata.managed_fields.unwrap()).unwrap(),
+        json!(mf)
+    );
+    // Rewriting the same object is a no-op for managedFields too.
+    let rv_before = server.resource_version();
+    let same = server
+        .put_json_as("node-agent-server", None, with_status.clone())
+        .unwrap();
+    assert_eq!(server.resource_version(), rv_before);
+    assert_eq!(managed_fields(&same), mf);
+    // "status" needs the status subresource (404 like the real server); nothing else goes.
+    let e = server
+        .put_json_as("x", Some("status"), with_status.clone())
+        .unwrap_err();
+    assert_eq!(e.code, 404);
+    let e = server
+        .put_json_as("x", Some("scale"), with_status)
+        .unwrap_err();
+    assert_eq!(e.code, 400);
+
+    // With the status subresource: a main write owns no status, a "status" write only the
+    // status fields it changed.
+    let mut obj = serde_json::to_value(pvb("c", "n1")).unwrap();
+    obj["apiVersion"] = json!(format!("{STATUS_GROUP}/v1"));
+    obj["status"] = json!({"phase": "InProgress", "message": "m"});
+    let created = server.put_json_as("creator", None, obj.clone()).unwrap();
+    assert_eq!(
+        created["status"]["phase"], "InProgress",
+        "the whole object is written"
+    );
+    let mf = managed_fields(&created);
+    assert_eq!(mf.len(), 1, "{mf:#?}");
+    assert!(mf[0]["fieldsV1"].get("f:status").is_none(), "{mf:#?}");
+    obj["status"]["phase"] = json!("Completed");
+    obj["spec"]["volume"] = json!("not owned by a status write");
+    // As through /status, managedFields in the object do not count.
+    obj["metadata"]["managedFields"] = json!([{"manager": "forged", "operation": "Update",
+        "fieldsType": "FieldsV1", "fieldsV1": {"f:spec": {"f:node": {}}}}]);
+    let st = server
+        .put_json_as("status-writer", Some("status"), obj)
+        .unwrap();
+    let mf = managed_fields(&st);
+    assert_eq!(mf.len(), 2, "{mf:#?}");
+    assert!(mf.iter().all(|e| e["manager"] != "forged"), "{mf:#?}");
+    assert_eq!(
+        mf_entry(&mf, "creator", "Update"),
+        &managed_fields(&created)[0]
+    );
+    let entry = mf_entry(&mf, "status-writer", "Update");
+    assert_eq!(entry["subresource"], "status");
+    assert_eq!(entry["fieldsV1"], json!({"f:status": {"f:phase": {}}}));
+
+    // put_json stores managedFields as given and computes none.
+    let mut given = serde_json::to_value(pvb("d", "n1")).unwrap();
+    let hand_made = json!([{"manager": "hand", "operation": "Update", "fieldsType": "FieldsV1",
+                            "fieldsV1": {"f:spec": {"f:node": {}}}}]);
+    given["metadata"]["managedFields"] = hand_made.clone();
+    let put = server.put_json(given).unwrap();
+    assert_eq!(put["metadata"]["managedFields"], hand_made);
+    let plain = server
+        .put_json(serde_json::to_value(pvb("e", "n1")).unwrap())
+        .unwrap();
+    assert!(plain["metadata"].get("managedFields").is_none());
+    // An API write to such an object records its writer.
+    let patched = api(&client, "velero.io")
+        .patch(
+            "e",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"volume": "v2"}})),
+        )
+        .await
+        .unwrap();
+    let mf = serde_json::to_value(patched.metadata.managed_fields.unwrap()).unwrap();
+    assert_eq!(mf.as_array().unwrap().len(), 1, "{mf:#?}");
+    assert_eq!(mf[0]["fieldsV1"], json!({"f:spec": {"f:volume": {}}}));
+    assert_eq!(mf[0]["manager"], "unknown", "kube 5 sends no User-Agent");
 }
