@@ -559,7 +559,10 @@ async fn cancel(
 
 async fn set_spec_cancel(ctx: &Context, op: &OperationSummary) -> Result<(), kube::Error> {
     let patch = Patch::Merge(json!({ "spec": { "cancel": true } }));
-    let pp = PatchParams::default();
+    let pp = PatchParams {
+        field_manager: Some(super::status::FIELD_MANAGER.to_string()),
+        ..PatchParams::default()
+    };
     match op.kind {
         OperationKind::Backup => {
             let api: Api<PodVolumeBackup> = Api::namespaced(ctx.client.clone(), &op.namespace);

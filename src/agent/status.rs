@@ -23,6 +23,10 @@ use serde_json::{Value, json};
 use super::metrics::Metrics;
 use crate::crd::{FINALIZER, Phase, PodVolumeBackup, PodVolumeRestore};
 
+/// The manager the API server records in `managedFields` for the agent's writes (kube's client
+/// sends no User-Agent, so without it they would be `unknown` to `kubectl get -o yaml`).
+pub const FIELD_MANAGER: &str = "podvolume-agent";
+
 /// What the agent needs to know of either kind.
 pub trait VolumeObject:
     Resource<DynamicType = ()> + Clone + Debug + DeserializeOwned + Send + Sync + 'static
@@ -239,7 +243,10 @@ impl<K: VolumeObject> ObjectWriter<K> {
         status: Option<&Value>,
         metadata: Option<&Value>,
     ) -> Result<K, kube::Error> {
-        let pp = PatchParams::default();
+        let pp = PatchParams {
+            field_manager: Some(FIELD_MANAGER.to_string()),
+            ..PatchParams::default()
+        };
         let mut last = None;
         let mut meta = json!({ "resourceVersion": self.resource_version });
         if let (Some(Value::Object(extra)), Value::Object(m)) = (metadata, &mut meta) {

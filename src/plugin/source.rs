@@ -136,7 +136,10 @@ pub async fn cancel(
     }
     api.patch(
         &volume.name,
-        &PatchParams::default(),
+        &PatchParams {
+            field_manager: Some("kubectl-podvolume".to_string()),
+            ..PatchParams::default()
+        },
         &Patch::Merge(json!({"spec": {"cancel": true}})),
     )
     .await

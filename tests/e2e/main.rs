@@ -81,6 +81,18 @@ async fn backup_with_progress(env: Env) {
     );
     // Velero's CRDs: one write, no result with our finalizer; ours: the finalizer follows.
     assert_result_released(&env, &done, || agent.logs()).await;
+    // The API server records the agent's writes under its own name (kubectl get -o yaml).
+    let managers: Vec<String> = done
+        .metadata
+        .managed_fields
+        .iter()
+        .flatten()
+        .filter_map(|e| e.manager.clone())
+        .collect();
+    assert!(
+        managers.iter().any(|m| m == "podvolume-agent"),
+        "managers: {managers:?}"
+    );
     // The watch saw the object move: intermediate progress, never backwards, never over total.
     tokio::time::sleep(Duration::from_millis(300)).await;
     let versions = rec.versions();
