@@ -47,12 +47,7 @@ async fn reconcile_inner(pvb: Arc<PodVolumeBackup>, ctx: Arc<Context>) -> Result
         }
         return Ok(Action::await_change());
     }
-    // A saved result of an operation still running here is the one it is writing now (saved
-    // before its terminal write, removed after it): a reconcile of an older version of the
-    // object must not write and count it a second time.
-    if !ctx.registry.is_active(&uid)
-        && let Some(saved) = ctx.state.load(&uid)
-    {
+    if let Some(saved) = transfer::unwritten_result(&ctx, &uid) {
         // A result the API server never received (it was down, then we restarted).
         tracing::info!("writing a saved result");
         let mut w = writer(&ctx, &pvb);

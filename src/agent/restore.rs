@@ -125,12 +125,7 @@ async fn reconcile_inner(pvr: Arc<PodVolumeRestore>, ctx: Arc<Context>) -> Resul
             TargetPod::Missing => return Ok(Action::requeue(POD_RECHECK * 6)),
         }
     }
-    // A saved result of an operation still running here is the one it is writing now (saved
-    // before its terminal write, removed after it): a reconcile of an older version of the
-    // object must not write and count it a second time.
-    if !ctx.registry.is_active(&uid)
-        && let Some(saved) = ctx.state.load(&uid)
-    {
+    if let Some(saved) = transfer::unwritten_result(&ctx, &uid) {
         let mut w = writer(&ctx, &pvr);
         let (phase, bytes) = saved_outcome(&saved.status);
         return if finish(&ctx, &*pvr, &mut w, saved.status, &ctx.shutdown).await {

@@ -271,6 +271,17 @@ pub async fn finish<K: VolumeObject>(
     true
 }
 
+/// A result saved in the state dir that no operation here is writing: one the API server never
+/// received (it was down, then the agent restarted). A saved result of an operation still
+/// running here is the one it is writing now (saved before its terminal write, removed after
+/// it), which a reconcile of an older version of the object must not write and count again.
+pub fn unwritten_result(ctx: &Context, uid: &str) -> Option<super::state::StoredResult> {
+    if ctx.registry.is_active(uid) {
+        return None;
+    }
+    ctx.state.load(uid)
+}
+
 /// Removes our finalizer; the writer's conflict handling keeps other finalizers. Returns whether
 /// it is gone (a few quick tries; the caller requeues otherwise).
 pub async fn remove_finalizer<K: VolumeObject>(writer: &mut ObjectWriter<K>) -> bool {

@@ -2,8 +2,9 @@
 //!
 //! The Velero namespace may hold 100,000 finished PodVolumeBackups of other nodes, and a list
 //! page holds 500 of them. Decoded whole, with the `managedFields` the API server adds to each,
-//! a page is about 11 KB per object (5.6 MB a page), and the allocator keeps that high-water
-//! mark as the agent's resident size. So a watched object is decoded in two steps: its
+//! a page held about 11 KB per object (5.6 MB a page, measured once with a counting allocator;
+//! BENCHMARKS.md case 5 measures the agent's resident size), and the allocator keeps that
+//! high-water mark as the agent's resident size. So a watched object is decoded in two steps: its
 //! metadata without `managedFields` (which nothing here reads), its spec and status kept as raw
 //! JSON text until one look at the spec says whether the object can be this node's; only then is
 //! it decoded into its type. An object of another node costs its name until the page is dropped.
