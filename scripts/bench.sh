@@ -24,8 +24,8 @@ done
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$PWD/target-bench}"
 RESTIC="${RESTIC:-$(command -v restic)}"
 OUT="${BENCH_OUT:-BENCHMARKS.md}"
-if [ "$quick" = 1 ]; then runs=3; cancel_runs=3; agent_cancel_runs=3; objects=2000; big_objects=20000; secs=0.1; quick_flag=--quick
-else runs=5; cancel_runs=20; agent_cancel_runs=10; objects=10000; big_objects=100000; secs=0.5; quick_flag=; fi
+if [ "$quick" = 1 ]; then runs=3; cpu_runs=3; cancel_runs=3; agent_cancel_runs=3; objects=2000; big_objects=20000; secs=0.1; quick_flag=--quick
+else runs=5; cpu_runs=15; cancel_runs=20; agent_cancel_runs=10; objects=10000; big_objects=100000; secs=0.5; quick_flag=; fi
 
 work="$(mktemp -d "${BENCH_WORK_PARENT:-/var/tmp}/pva-bench.XXXXXX")"
 trap 'rm -rf "$work"' EXIT
@@ -46,7 +46,7 @@ echo "case 3: progress replay" >&2
 bench replay --streams testdata/restic-streams --out "$parts/3.md" >/dev/null
 echo "cases 1 and 2: overhead and incremental" >&2
 bench overhead --restic "$RESTIC" --agent "$CARGO_TARGET_DIR/release/podvolume-agent" \
-  --work "$work/overhead" --runs "$runs" $quick_flag --out "$parts/1-2.md" >/dev/null
+  --work "$work/overhead" --runs "$runs" --cpu-runs "$cpu_runs" $quick_flag --out "$parts/1-2.md" >/dev/null
 rm -rf "$work/overhead"
 echo "case 4: cancel latency" >&2
 bench cancel --restic "$RESTIC" --work "$work/cancel" --runs "$cancel_runs" --out "$parts/4.md" >/dev/null

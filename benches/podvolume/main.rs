@@ -48,6 +48,10 @@ enum Cmd {
         work: PathBuf,
         #[arg(long, default_value_t = 5)]
         runs: usize,
+        /// Runs of each case 1 variant (default: --runs). restic's own CPU varies by about 10%
+        /// from run to run on a shared machine: more runs narrow the confidence interval.
+        #[arg(long)]
+        cpu_runs: Option<usize>,
         /// Small sizes for a fast check.
         #[arg(long)]
         quick: bool,
@@ -122,9 +126,20 @@ fn main() {
             agent,
             work,
             runs,
+            cpu_runs,
             quick,
             out,
-        } => write(&out, &overhead::run(&restic, &agent, &work, runs, quick)),
+        } => write(
+            &out,
+            &overhead::run(
+                &restic,
+                &agent,
+                &work,
+                runs,
+                cpu_runs.unwrap_or(runs),
+                quick,
+            ),
+        ),
         Cmd::Replay { streams, out } => write(&out, &replay::run(&streams)),
         Cmd::Parser { streams, secs, out } => write(&out, &parser::run(&streams, secs)),
         Cmd::Cancel {

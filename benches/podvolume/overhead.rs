@@ -10,6 +10,11 @@
 //! restic itself. Peak RSS is `VmHWM` from `/proc/<pid>/status`, read every
 //! 10 ms while the process lives (the last reading before exit): the agent's own process apart
 //! from restic's (restic is a separate process with its own `VmHWM`).
+//!
+//! restic's own CPU differs by about 10% between two identical runs on a shared 2-core machine,
+//! so a CPU ratio across runs cannot resolve a 1% difference in a few runs: case 1 runs the bare
+//! restic command twice per round (the second is a control) and reports each ratio with its
+//! confidence interval next to the exact same-run figure.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -18,8 +23,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use crate::util::{
-    Work, children_cpu, children_of, fmt, gen_large, gen_small, median, mib, processes, restic_cmd,
-    vm_hwm_kib,
+    Work, children_cpu, children_of, fmt, gen_large, gen_small, mean_ci95, median, mib, processes,
+    restic_cmd, vm_hwm_kib,
 };
 
 #[derive(Debug, Clone, Copy)]
@@ -37,6 +42,9 @@ struct Sample {
 }
 
 fn measure(mut cmd: Command, label: &str) -> Sample {
+    // The previous run's repository is still being written back: flush it outside the timing,
+    // so no run pays for the one before it.
+    nix::unistd::sync();
     cmd.stdin(Stdio::null()).stdout(Stdio::null());
     let err_file = std::env::temp_dir().join(format!("pva-bench-{}.err", std::process::id()));
     cmd.stderr(std::fs::File::create(&err_file).unwrap());
@@ -220,7 +228,14 @@ fn med(samples: &[Sample], f: fn(&Sample) -> f64) -> f64 {
     median(&samples.iter().map(f).collect::<Vec<_>>())
 }
 
-pub fn run(restic: &Path, agent: &Path, work_dir: &Path, runs: usize, quick: bool) -> String {
+pub fn run(
+    restic: &Path,
+    agent: &Path,
+    work_dir: &Path,
+    runs: usize,
+    cpu_runs: usize,
+    quick: bool,
+) -> String {
     let mut work = Work::new(work_dir, restic);
     let ctx = Ctx {
         restic,
@@ -234,32 +249,37 @@ pub fn run(restic: &Path, agent: &Path, work_dir: &Path, runs: usize, quick: boo
     md.push_str("## 1. Overhead over bare restic\n\n");
     md.push_str(&format!(
         "The same backup into a fresh local repository (an initialised empty one, copied before \
-         each run, outside the timing), {runs} runs of each variant, alternating, medians. Data is \
-         read from the page cache (generated once, same for every run). *restic*: `restic backup \
-         --json` at restic's default status rate (60/s, the rate the agent asks for); *agent*: \
-         `podvolume-agent backup --json --no-init` (release build, which also runs `restic \
-         version` once). stdout of all goes to /dev/null. Wall: spawn to exit. CPU: user+system of \
-         the process and everything it waited for (agent + restic). *agent's own*: the agent \
-         process's CPU, without restic's, read from its final `/proc/<pid>/stat` (exact to the \
-         10 ms clock tick); *1 + own/restic*: the agent's cost over the restic it ran, in the same \
-         run (the CPU ratio across runs also holds restic's own run-to-run noise). Peak RSS: \
-         `VmHWM` of each process, read every 10 ms from /proc while it runs.\n\n"
+         each run, outside the timing; `sync` before each run, so none pays for the previous \
+         one's writeback), {cpu_runs} rounds, each running every variant once in rotating order; \
+         medians. Data is read from the page cache (generated once, same for every run). \
+         *restic*: `restic backup --json` at restic's default status rate (60/s, the rate the \
+         agent asks for); *restic (control)*: the very same bare restic command again, to show \
+         how far two identical restic runs differ on this machine; *agent*: `podvolume-agent \
+         backup --json --no-init` (release build, which also runs `restic version` once). stdout \
+         of all goes to /dev/null. Wall: spawn to exit. CPU: user+system of the process and \
+         everything it waited for (agent + restic). *per-round CPU ratio*: the mean over the \
+         rounds of the variant's CPU over the restic run of the same round, with its 95% \
+         confidence interval (Student's t): restic's own run-to-run noise, which the control \
+         measures. *agent's own*: the agent process's CPU, without restic's, read from its final \
+         `/proc/<pid>/stat` (exact to the 10 ms clock tick); *1 + own/restic*: the agent's cost \
+         over the restic it ran, in the same run, free of that noise. Peak RSS: `VmHWM` of each \
+         process, read every 10 ms from /proc while it runs.\n\n"
     ));
     md.push_str(
-        "| data | variant | wall s | CPU s | wall ratio vs restic | CPU ratio vs restic | agent's own CPU s | restic CPU under the agent s | 1 + own/restic | agent peak RSS MiB | restic peak RSS MiB |\n\
-         |---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+        "| data | variant | wall s | CPU s | wall ratio vs restic | CPU ratio vs restic (medians) | per-round CPU ratio, mean [95% CI] | agent's own CPU s | restic CPU under the agent s | 1 + own/restic | agent peak RSS MiB | restic peak RSS MiB |\n\
+         |---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|\n",
     );
     for set in &sets {
         eprintln!("overhead: {} ({} MiB)", set.name, fmt(mib(set.bytes)));
-        let variants = ["restic", "agent"];
+        let variants = ["restic", "agent", "restic (control)"];
         let mut samples: Vec<Vec<Sample>> = vec![Vec::new(); variants.len()];
-        for i in 0..runs {
+        for i in 0..cpu_runs {
             for k in 0..variants.len() {
                 let v = (i + k) % variants.len();
                 let (repo, cache) = work.fresh_repo();
                 let cmd = match v {
-                    0 => ctx.restic(&repo, &cache, &set.dir, None),
-                    _ => ctx.agent(&repo, &cache, &set.dir, &[]),
+                    1 => ctx.agent(&repo, &cache, &set.dir, &[]),
+                    _ => ctx.restic(&repo, &cache, &set.dir, None),
                 };
                 let s = measure(cmd, variants[v]);
                 eprintln!(
@@ -280,6 +300,17 @@ pub fn run(restic: &Path, agent: &Path, work_dir: &Path, runs: usize, quick: boo
         let w: Vec<f64> = samples.iter().map(|s| med(s, |x| x.wall)).collect();
         let c: Vec<f64> = samples.iter().map(|s| med(s, |x| x.cpu)).collect();
         for (v, name) in variants.iter().enumerate() {
+            let per_round = if v == 0 {
+                "-".to_string()
+            } else {
+                let ratios: Vec<f64> = samples[v]
+                    .iter()
+                    .zip(&samples[0])
+                    .map(|(x, r)| x.cpu / r.cpu)
+                    .collect();
+                let (mean, half) = mean_ci95(&ratios);
+                format!("{mean:.3} [{:.3}, {:.3}]", mean - half, mean + half)
+            };
             let agent_cols = if v == 1 {
                 let a = &samples[v];
                 // The median of the per-run ratios: each is one run's agent against its restic.
@@ -294,7 +325,7 @@ pub fn run(restic: &Path, agent: &Path, work_dir: &Path, runs: usize, quick: boo
                 "- | - | - | -".into()
             };
             md.push_str(&format!(
-                "| {} ({} MiB, {} files) | {name} | {} | {} | {} | {} | {agent_cols} | {} |\n",
+                "| {} ({} MiB, {} files) | {name} | {} | {} | {} | {} | {per_round} | {agent_cols} | {} |\n",
                 set.name,
                 fmt(mib(set.bytes)),
                 set.files,
@@ -311,9 +342,9 @@ pub fn run(restic: &Path, agent: &Path, work_dir: &Path, runs: usize, quick: boo
     md.push_str("\n## 2. Incremental backup of unchanged data\n\n");
     md.push_str(&format!(
         "One first backup by the agent into a fresh repository, then {runs} runs of each variant \
-         of a second backup of the same, unchanged data, alternating, into that repository; \
-         medians. *parent found automatically*: no `--parent`, restic picks the latest snapshot \
-         of the same host and path; *explicit `--parent`*: the first snapshot's ID; *no parent*: \
+         of a second backup of the same, unchanged data, alternating, into that repository \
+         (`sync` before each run); medians. *parent found automatically*: no `--parent`, \
+         restic picks the latest snapshot of the same host and path; *explicit `--parent`*: the first snapshot's ID; *no parent*: \
          `--host` set to a new name for each run, so restic finds no parent — what happens when \
          parent selection fails (every file is read and hashed again; nothing new is stored \
          because the chunks deduplicate).\n\n"

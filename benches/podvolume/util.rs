@@ -24,6 +24,24 @@ pub fn percentile(v: &[f64], p: f64) -> f64 {
     s[lo] + (s[hi] - s[lo]) * (rank - lo as f64)
 }
 
+/// Mean of the values and the half-width of its 95% confidence interval (Student's t, the
+/// values taken as independent samples). The half-width is NaN for fewer than two values.
+pub fn mean_ci95(v: &[f64]) -> (f64, f64) {
+    const T975: [f64; 30] = [
+        12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160,
+        2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056,
+        2.052, 2.048, 2.045, 2.042,
+    ];
+    let n = v.len();
+    let mean = v.iter().sum::<f64>() / n as f64;
+    if n < 2 {
+        return (mean, f64::NAN);
+    }
+    let var = v.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1) as f64;
+    let t = T975.get(n - 2).copied().unwrap_or(1.96);
+    (mean, t * (var / n as f64).sqrt())
+}
+
 pub fn max(v: &[f64]) -> f64 {
     v.iter().copied().fold(f64::NAN, f64::max)
 }
