@@ -39,13 +39,15 @@ fn access(common: &CommonArgs) -> Result<RepositoryAccess, String> {
         None => default_cache_dir(),
     };
     create_private_dir(&cache_dir)?;
+    // restic runs inside the source or target directory: relative paths are made absolute here,
+    // or a relative cache would land inside the volume being backed up.
+    let cache_dir = std::path::absolute(&cache_dir).unwrap_or(cache_dir);
     if let Err(e) = std::fs::metadata(&common.password_file) {
         return Err(format!(
             "password file {}: {e}",
             common.password_file.display()
         ));
     }
-    // restic runs inside the source or target directory: relative paths are made absolute.
     let ca_cert = match &common.cacert {
         Some(f) => {
             if let Err(e) = std::fs::metadata(f) {
@@ -56,7 +58,7 @@ fn access(common: &CommonArgs) -> Result<RepositoryAccess, String> {
         None => None,
     };
     Ok(RepositoryAccess {
-        repository: common.repo.clone(),
+        repository: absolute_local_repository(&common.repo),
         password_file: std::path::absolute(&common.password_file)
             .unwrap_or(common.password_file.clone()),
         cache_dir,
@@ -64,6 +66,31 @@ fn access(common: &CommonArgs) -> Result<RepositoryAccess, String> {
         ca_cert,
         insecure_tls: common.insecure_tls,
     })
+}
+
+/// restic's backends other than a local directory, as the `<backend>:` prefix of a repository.
+const REMOTE_BACKENDS: &[&str] = &[
+    "sftp:", "rest:", "s3:", "b2:", "azure:", "gs:", "swift:", "rclone:",
+];
+
+/// A local repository given as a relative path (`./repo`, `local:repo`) made absolute against
+/// the CLI's working directory: restic is started in the source or target directory, where the
+/// same relative path names another place. Remote repositories are left as given.
+fn absolute_local_repository(repo: &str) -> String {
+    if REMOTE_BACKENDS.iter().any(|b| repo.starts_with(b)) {
+        return repo.to_string();
+    }
+    let (prefix, path) = match repo.strip_prefix("local:") {
+        Some(p) => ("local:", p),
+        None => ("", repo),
+    };
+    if path.is_empty() || std::path::Path::new(path).is_absolute() {
+        return repo.to_string();
+    }
+    match std::path::absolute(path) {
+        Ok(p) => format!("{prefix}{}", p.display()),
+        Err(_) => repo.to_string(),
+    }
 }
 
 fn default_cache_dir() -> PathBuf {
@@ -264,5 +291,33 @@ fn print_json(p: &OperationProgress) {
     if let Ok(s) = serde_json::to_string(p) {
         let _ = writeln!(out, "{s}");
         let _ = out.flush();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn relative_local_repositories_are_made_absolute_remote_ones_kept() {
+        let cwd = std::env::current_dir().unwrap();
+        let abs = |p: &str| cwd.join(p).display().to_string();
+        assert_eq!(absolute_local_repository("repo"), abs("repo"));
+        assert_eq!(absolute_local_repository("./a/b"), abs("a/b"));
+        assert_eq!(
+            absolute_local_repository("local:repo"),
+            format!("local:{}", abs("repo"))
+        );
+        for kept in [
+            "/srv/repo",
+            "local:/srv/repo",
+            "s3:https://s3.example:9000/bucket/restic/ns",
+            "rest:http://host:8000/",
+            "sftp:user@host:relative/dir",
+            "rclone:remote:path",
+            "",
+        ] {
+            assert_eq!(absolute_local_repository(kept), kept);
+        }
     }
 }

@@ -234,3 +234,52 @@ fn clear_errors_for_bad_input() {
     // The password never appears in anything the agent prints.
     assert!(!err.contains("correct horse"));
 }
+
+/// A user running the CLI from a work directory with relative paths: restic runs inside the
+/// source, so every path must mean what it meant where the user typed it.
+#[test]
+fn relative_repository_password_and_cache_paths_mean_the_callers_directory() {
+    let bed = Bed::new();
+    write_random(&bed.source.join("a.bin"), 100_000, 9);
+    let out = Command::new(agent_bin())
+        .current_dir(bed.path())
+        .args([
+            "backup",
+            "--repo",
+            "repo",
+            "--password-file",
+            "password",
+            "--cache-dir",
+            "cache",
+            "source",
+        ])
+        .env("RESTIC_BINARY", restic_bin())
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let id = String::from_utf8(out.stdout).unwrap().trim().to_string();
+    // The snapshot is in the repository next to the source, where the user pointed, ...
+    let snaps = bed.restic(&["snapshots", "--json"]);
+    assert!(
+        String::from_utf8_lossy(&snaps.stdout).contains(&id),
+        "snapshot {id} not in {}: {}",
+        bed.repo.display(),
+        String::from_utf8_lossy(&snaps.stderr)
+    );
+    // ... and nothing was created inside the volume that was backed up.
+    let inside: Vec<_> = std::fs::read_dir(&bed.source)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(inside, vec![std::ffi::OsString::from("a.bin")]);
+    assert!(
+        bed.cache.is_dir(),
+        "restic's cache is where --cache-dir said"
+    );
+}
