@@ -11,7 +11,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::registry::{CancelReason, CancelResult, OperationKind};
 use super::status::{Finalizer, ObjectWriter, VolumeObject, WriteError, now_rfc3339};
-use super::transfer::{self, end, event, finish, monitor, saved_outcome, terminal_phase};
+use super::transfer::{self, Gate, end, event, finish, monitor, saved_outcome, terminal_phase};
 use super::{Context, Error};
 use crate::crd::{ATTEMPTS_ANNOTATION, Phase, PodVolumeBackup};
 use crate::engine::BackupRequest;
@@ -148,31 +148,15 @@ async fn run(ctx: Arc<Context>, pvb: PodVolumeBackup, token: CancellationToken) 
     async {
         let started = Instant::now();
         let mut w = writer(&ctx, &pvb);
-        // Re-read: the object may have changed while it waited for a slot.
-        let pvb = match w.refresh().await {
-            Ok(p) if p.phase().is_terminal() => return,
-            Ok(p) => p,
-            Err(e) => {
-                tracing::warn!(error = %e, "cannot read the object before starting");
+        let pvb = match transfer::gate(&ctx, &mut w, &token, started, failed).await {
+            Gate::Start(p) => p,
+            Gate::CancelBeforeStart(p, reason) => {
+                let _ = cancel_now(&ctx, &p, reason).await;
                 return;
             }
+            Gate::Stop => return,
         };
-        if token.is_cancelled() || pvb.cancel_requested() {
-            let reason = ctx.registry.cancel_reason(&uid).unwrap_or(CancelReason::Requested);
-            if reason != CancelReason::Shutdown {
-                let _ = cancel_now(&ctx, &pvb, reason).await;
-            }
-            return;
-        }
-        // Interrupted runs (agent restarts) are counted, and bounded.
         let starts = pvb.attempts();
-        if starts >= ctx.args.max_attempts.max(1) {
-            let status = failed(format!(
-                "the backup was started {starts} times and each run was interrupted by a node agent restart; giving up"
-            ));
-            end(&ctx, &pvb, &mut w, status, "failure", started, 0).await;
-            return;
-        }
         let prepared = match prepare(&ctx, &pvb).await {
             Ok(p) => p,
             Err(message) => {
@@ -200,7 +184,18 @@ async fn run(ctx: Arc<Context>, pvb: PodVolumeBackup, token: CancellationToken) 
             }
         }
         ctx.registry.set_phase(&uid, Phase::InProgress.as_str());
-        event(&ctx, &pvb, false, "Started", format!("backing up {} with {}", prepared.request.source.display(), prepared.request.uploader)).await;
+        event(
+            &ctx,
+            &pvb,
+            false,
+            "Started",
+            format!(
+                "backing up {} with {}",
+                prepared.request.source.display(),
+                prepared.request.uploader
+            ),
+        )
+        .await;
 
         let op = ctx.engine.backup(prepared.request);
         ctx.registry.attach(&uid, op.clone());
@@ -218,7 +213,10 @@ async fn run(ctx: Arc<Context>, pvb: PodVolumeBackup, token: CancellationToken) 
         let phase = terminal_phase(&outcome.kind, reason, ctx.args.partial_as_completed);
         let message = match (phase, reason) {
             (Phase::Canceled | Phase::Failed, Some(r)) if outcome.kind == OutcomeKind::Canceled => {
-                format!("{}; the uploader was stopped", transfer::reason_text(&ctx, r))
+                format!(
+                    "{}; the uploader was stopped",
+                    transfer::reason_text(&ctx, r)
+                )
             }
             _ => super::outcome_message(&ctx, &outcome, &prepared.location),
         };
@@ -235,7 +233,16 @@ async fn run(ctx: Arc<Context>, pvb: PodVolumeBackup, token: CancellationToken) 
             Phase::Canceled => "cancel",
             _ => "failure",
         };
-        end(&ctx, &pvb, &mut w, status, result, started, progress.n_completed).await;
+        end(
+            &ctx,
+            &pvb,
+            &mut w,
+            status,
+            result,
+            started,
+            progress.n_completed,
+        )
+        .await;
     }
     .instrument(span)
     .await

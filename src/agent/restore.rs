@@ -12,7 +12,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::registry::{CancelReason, CancelResult, OperationKind};
 use super::status::{Finalizer, ObjectWriter, VolumeObject, WriteError, now_rfc3339};
-use super::transfer::{self, end, event, finish, monitor, saved_outcome, terminal_phase};
+use super::transfer::{self, Gate, end, event, finish, monitor, saved_outcome, terminal_phase};
 use super::{Context, Error, volume};
 use crate::crd::{ATTEMPTS_ANNOTATION, Phase, PodVolumeRestore};
 use crate::engine::RestoreRequest;
@@ -229,31 +229,28 @@ async fn run(ctx: Arc<Context>, pvr: PodVolumeRestore, token: CancellationToken)
     async {
         let started = Instant::now();
         let mut w = writer(&ctx, &pvr);
-        let pvr = match w.refresh().await {
-            Ok(p) if p.phase().is_terminal() => return,
-            Ok(p) => p,
-            Err(e) => {
-                tracing::warn!(error = %e, "cannot read the object before starting");
+        let pvr = match transfer::gate(&ctx, &mut w, &token, started, |m| failed(&ctx, m)).await {
+            Gate::Start(p) => p,
+            Gate::CancelBeforeStart(p, reason) => {
+                cancel_now(&ctx, &p, reason).await;
                 return;
             }
+            Gate::Stop => return,
         };
-        if token.is_cancelled() || pvr.cancel_requested() {
-            let reason = ctx.registry.cancel_reason(&uid).unwrap_or(CancelReason::Requested);
-            if reason != CancelReason::Shutdown {
-                cancel_now(&ctx, &pvr, reason).await;
-            }
-            return;
-        }
         let starts = pvr.attempts();
-        if starts >= ctx.args.max_attempts.max(1) {
-            let message = format!("the restore was started {starts} times and each run was interrupted by a node agent restart; giving up");
-            end(&ctx, &pvr, &mut w, failed(&ctx, message), "failure", started, 0).await;
-            return;
-        }
         let (request, restore_uid, location) = match prepare(&ctx, &pvr).await {
             Ok(p) => p,
             Err(message) => {
-                end(&ctx, &pvr, &mut w, failed(&ctx, message), "failure", started, 0).await;
+                end(
+                    &ctx,
+                    &pvr,
+                    &mut w,
+                    failed(&ctx, message),
+                    "failure",
+                    started,
+                    0,
+                )
+                .await;
                 return;
             }
         };
@@ -280,7 +277,18 @@ async fn run(ctx: Arc<Context>, pvr: PodVolumeRestore, token: CancellationToken)
             }
         }
         ctx.registry.set_phase(&uid, Phase::InProgress.as_str());
-        event(&ctx, &pvr, false, "Started", format!("restoring snapshot {} into {}", pvr.spec.snapshot_id, target.display())).await;
+        event(
+            &ctx,
+            &pvr,
+            false,
+            "Started",
+            format!(
+                "restoring snapshot {} into {}",
+                pvr.spec.snapshot_id,
+                target.display()
+            ),
+        )
+        .await;
 
         let op = ctx.engine.restore(request);
         ctx.registry.attach(&uid, op.clone());
@@ -297,7 +305,10 @@ async fn run(ctx: Arc<Context>, pvr: PodVolumeRestore, token: CancellationToken)
         let mut phase = terminal_phase(&outcome.kind, reason, false);
         let mut message = match (phase, reason) {
             (Phase::Canceled | Phase::Failed, Some(r)) if outcome.kind == OutcomeKind::Canceled => {
-                format!("{}; the uploader was stopped", transfer::reason_text(&ctx, r))
+                format!(
+                    "{}; the uploader was stopped",
+                    transfer::reason_text(&ctx, r)
+                )
             }
             _ => super::outcome_message(&ctx, &outcome, &location),
         };
@@ -308,7 +319,9 @@ async fn run(ctx: Arc<Context>, pvr: PodVolumeRestore, token: CancellationToken)
                 Some(ruid) => {
                     if let Err(e) = volume::write_done_file(&target, ruid) {
                         phase = Phase::Failed;
-                        message = format!("data restored, but the completion marker could not be written: {e}");
+                        message = format!(
+                            "data restored, but the completion marker could not be written: {e}"
+                        );
                     }
                 }
                 None => tracing::warn!("no owning Restore: no done-file written"),
@@ -323,7 +336,16 @@ async fn run(ctx: Arc<Context>, pvr: PodVolumeRestore, token: CancellationToken)
             Phase::Canceled => "cancel",
             _ => "failure",
         };
-        end(&ctx, &pvr, &mut w, status, result, started, progress.n_completed).await;
+        end(
+            &ctx,
+            &pvr,
+            &mut w,
+            status,
+            result,
+            started,
+            progress.n_completed,
+        )
+        .await;
     }
     .instrument(span)
     .await

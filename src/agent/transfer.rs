@@ -340,6 +340,59 @@ pub async fn end<K: VolumeObject>(
     );
 }
 
+/// What a transfer that got its slot does first (see [`gate`]).
+pub enum Gate<K> {
+    /// Start it: the object as the API server has it now.
+    Start(K),
+    /// Write "canceled before it started" for this reason, and stop.
+    CancelBeforeStart(K, CancelReason),
+    /// Nothing to do: it is already finished, cannot be read, is stopped by the agent's
+    /// shutdown (picked up again after the restart), or has just been failed for too many
+    /// interrupted starts.
+    Stop,
+}
+
+/// The checks between getting a slot and starting the uploader, the same for both kinds: the
+/// object may have changed while it waited (finished elsewhere, canceled), and an object whose
+/// every run was interrupted by an agent restart is failed here instead of started again.
+pub async fn gate<K: VolumeObject>(
+    ctx: &Context,
+    w: &mut ObjectWriter<K>,
+    token: &CancellationToken,
+    started: Instant,
+    failed: impl FnOnce(String) -> Value,
+) -> Gate<K> {
+    let obj = match w.refresh().await {
+        Ok(o) if o.phase().is_terminal() => return Gate::Stop,
+        Ok(o) => o,
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot read the object before starting");
+            return Gate::Stop;
+        }
+    };
+    if token.is_cancelled() || obj.cancel_requested() {
+        let uid = obj.uid().unwrap_or_default();
+        return match ctx
+            .registry
+            .cancel_reason(&uid)
+            .unwrap_or(CancelReason::Requested)
+        {
+            CancelReason::Shutdown => Gate::Stop,
+            reason => Gate::CancelBeforeStart(obj, reason),
+        };
+    }
+    let starts = obj.attempts();
+    if starts >= ctx.args.max_attempts.max(1) {
+        let message = format!(
+            "the {} was started {starts} times and each run was interrupted by a node agent restart; giving up",
+            K::OPERATION
+        );
+        end(ctx, &obj, w, failed(message), "failure", started, 0).await;
+        return Gate::Stop;
+    }
+    Gate::Start(obj)
+}
+
 /// Queues a transfer in the registry; it runs when a slot is free, the object accepted (else
 /// created) first.
 pub fn submit<K, F, Fut>(

@@ -296,6 +296,53 @@ async fn operation_timeout_fails_the_backup_and_says_so() {
     env.cleanup().await;
 }
 
+/// A backup whose every run was interrupted by an agent restart (the attempts annotation the
+/// agent writes at each start) is failed with the cause, not started once more.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backup_interrupted_max_attempts_times_is_failed_not_started_again() {
+    let env = Env::new(Flavour::Velero).await;
+    let (pod, dirs) = env.create_pod("attempts-pod", NODE, &["data"]).await;
+    Env::fill(&dirs["data"], &[("a.bin", 1 << 20)]);
+    env.create_pvb("pvb-attempts", &pod, "data", NODE).await;
+    env.pvbs()
+        .patch(
+            "pvb-attempts",
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(
+                json!({"metadata": {"annotations": {"podvolume-agent.io/attempts": "2"}}}),
+            ),
+        )
+        .await
+        .unwrap();
+    let mut agent = env.start_agent(NODE, &["--max-attempts=2"]);
+    agent.wait_ready(LONG).await;
+    let done = env
+        .wait_pvb(
+            "pvb-attempts",
+            &[Phase::Completed, Phase::Failed, Phase::Canceled],
+            LONG,
+        )
+        .await;
+    let st = status(&done);
+    assert_eq!(st.phase, Some(Phase::Failed), "{st:?}\n{}", agent.logs());
+    let message = st.message.clone().unwrap_or_default();
+    assert!(
+        message.contains("the backup was started 2 times")
+            && message.contains("interrupted by a node agent restart"),
+        "{message}"
+    );
+    // Not started again: the count is unchanged and restic made no snapshot.
+    assert_eq!(
+        done.annotations()
+            .get("podvolume-agent.io/attempts")
+            .map(String::as_str),
+        Some("2")
+    );
+    assert!(env.restic_snapshots().is_empty());
+    assert!(env.uploader_processes().is_empty());
+    env.cleanup().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn agent_killed_mid_backup_is_rerun_by_the_next_start() {
     let env = Env::new(Flavour::Velero).await;
