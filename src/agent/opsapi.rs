@@ -540,6 +540,7 @@ async fn cancel(
             "cannot set spec.cancel on the object; try again",
         ));
     };
+    let op_before = op.clone();
     let now = ctx.registry.get(&op.id).unwrap_or(op);
     match result {
         CancelResult::Finished(p) => {
@@ -552,7 +553,15 @@ async fn cancel(
         )),
         CancelResult::WasQueued | CancelResult::Stopping => {
             tracing::info!(namespace = %now.namespace, name = %now.name, uid = %now.id, user = caller_name(&caller), "cancel requested through the operations API");
-            Ok((StatusCode::ACCEPTED, axum::Json(progress_of(&now))).into_response())
+            // A queued one is ended by its reconciler once the watch brings `spec.cancel`, which
+            // can be before the re-read above: 202 answers with the operation as the cancel
+            // found it (queued, not completed), never with a body that says it already ended.
+            let body = if result == CancelResult::WasQueued {
+                progress_of(&op_before)
+            } else {
+                progress_of(&now)
+            };
+            Ok((StatusCode::ACCEPTED, axum::Json(body)).into_response())
         }
     }
 }
