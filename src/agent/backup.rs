@@ -160,7 +160,7 @@ async fn run(ctx: Arc<Context>, pvb: PodVolumeBackup, token: CancellationToken) 
         let prepared = match prepare(&ctx, &pvb).await {
             Ok(p) => p,
             Err(message) => {
-                end(&ctx, &pvb, &mut w, failed(message), "failure", started, 0).await;
+                end(&ctx, &pvb, &mut w, failed(message), started, 0).await;
                 return;
             }
         };
@@ -228,21 +228,7 @@ async fn run(ctx: Arc<Context>, pvb: PodVolumeBackup, token: CancellationToken) 
         if let Some(s) = &outcome.summary {
             status["incrementalBytes"] = json!(i64::try_from(s.bytes_added).unwrap_or(i64::MAX));
         }
-        let result = match phase {
-            Phase::Completed => "success",
-            Phase::Canceled => "cancel",
-            _ => "failure",
-        };
-        end(
-            &ctx,
-            &pvb,
-            &mut w,
-            status,
-            result,
-            started,
-            progress.n_completed,
-        )
-        .await;
+        end(&ctx, &pvb, &mut w, status, started, progress.n_completed).await;
     }
     .instrument(span)
     .await

@@ -241,16 +241,7 @@ async fn run(ctx: Arc<Context>, pvr: PodVolumeRestore, token: CancellationToken)
         let (request, restore_uid, location) = match prepare(&ctx, &pvr).await {
             Ok(p) => p,
             Err(message) => {
-                end(
-                    &ctx,
-                    &pvr,
-                    &mut w,
-                    failed(&ctx, message),
-                    "failure",
-                    started,
-                    0,
-                )
-                .await;
+                end(&ctx, &pvr, &mut w, failed(&ctx, message), started, 0).await;
                 return;
             }
         };
@@ -331,21 +322,7 @@ async fn run(ctx: Arc<Context>, pvr: PodVolumeRestore, token: CancellationToken)
         status["phase"] = Value::String(phase.as_str().to_string());
         status["message"] = Value::String(message);
         status["node"] = Value::String(ctx.args.node_name.clone());
-        let result = match phase {
-            Phase::Completed => "success",
-            Phase::Canceled => "cancel",
-            _ => "failure",
-        };
-        end(
-            &ctx,
-            &pvr,
-            &mut w,
-            status,
-            result,
-            started,
-            progress.n_completed,
-        )
-        .await;
+        end(&ctx, &pvr, &mut w, status, started, progress.n_completed).await;
     }
     .instrument(span)
     .await

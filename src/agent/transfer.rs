@@ -320,11 +320,12 @@ pub async fn end<K: VolumeObject>(
     obj: &K,
     w: &mut ObjectWriter<K>,
     status: Value,
-    result: &str,
     started: Instant,
     bytes: u64,
 ) {
     let phase = status["phase"].as_str().unwrap_or("").to_string();
+    // The metric's result follows from the phase written, so the two cannot disagree.
+    let result = metric_result(&status);
     let message = status["message"].as_str().unwrap_or("").to_string();
     ctx.registry
         .set_phase(&obj.uid().unwrap_or_default(), &phase);
@@ -387,7 +388,7 @@ pub async fn gate<K: VolumeObject>(
             "the {} was started {starts} times and each run was interrupted by a node agent restart; giving up",
             K::OPERATION
         );
-        end(ctx, &obj, w, failed(message), "failure", started, 0).await;
+        end(ctx, &obj, w, failed(message), started, 0).await;
         return Gate::Stop;
     }
     Gate::Start(obj)
@@ -427,15 +428,19 @@ pub fn submit<K, F, Fut>(
 
 /// The metric result and bytes of a saved terminal status (reported after a restart).
 pub fn saved_outcome(status: &Value) -> (&'static str, u64) {
-    let result = match status["phase"].as_str() {
+    (
+        metric_result(status),
+        status["progress"]["bytesDone"].as_u64().unwrap_or(0),
+    )
+}
+
+/// The `result` label of the finished-operations metrics for a terminal status.
+fn metric_result(status: &Value) -> &'static str {
+    match status["phase"].as_str() {
         Some("Completed") => "success",
         Some("Canceled") => "cancel",
         _ => "failure",
-    };
-    (
-        result,
-        status["progress"]["bytesDone"].as_u64().unwrap_or(0),
-    )
+    }
 }
 
 /// `started` for the latency metric.
