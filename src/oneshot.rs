@@ -68,23 +68,19 @@ fn access(common: &CommonArgs) -> Result<RepositoryAccess, String> {
     })
 }
 
-/// restic's backends other than a local directory, as the `<backend>:` prefix of a repository.
-const REMOTE_BACKENDS: &[&str] = &[
-    "sftp:", "rest:", "s3:", "b2:", "azure:", "gs:", "swift:", "rclone:",
-];
-
 /// A local repository given as a relative path (`./repo`, `local:repo`) made absolute against
 /// the CLI's working directory: restic is started in the source or target directory, where the
-/// same relative path names another place. Remote repositories are left as given.
+/// same relative path names another place. Anything with another `<backend>:` prefix (`s3:`,
+/// `rest:`, `sftp:`, and backends later restic versions add) is left as given.
 fn absolute_local_repository(repo: &str) -> String {
-    if REMOTE_BACKENDS.iter().any(|b| repo.starts_with(b)) {
-        return repo.to_string();
-    }
     let (prefix, path) = match repo.strip_prefix("local:") {
         Some(p) => ("local:", p),
         None => ("", repo),
     };
-    if path.is_empty() || std::path::Path::new(path).is_absolute() {
+    let has_backend_prefix = path
+        .split_once(':')
+        .is_some_and(|(b, _)| !b.is_empty() && b.bytes().all(|c| c.is_ascii_alphanumeric()));
+    if path.is_empty() || has_backend_prefix || std::path::Path::new(path).is_absolute() {
         return repo.to_string();
     }
     match std::path::absolute(path) {
@@ -315,6 +311,7 @@ mod tests {
             "rest:http://host:8000/",
             "sftp:user@host:relative/dir",
             "rclone:remote:path",
+            "smb:host/share",
             "",
         ] {
             assert_eq!(absolute_local_repository(kept), kept);
