@@ -43,10 +43,24 @@ scripts/install-moto.sh
 restic_new=$(scripts/fetch-restic-trixie.sh)
 
 run() { echo "+ $*"; "$@"; }
+# Every cargo invocation is bounded: a hung test must fail this script with a message well
+# before any outer CI limit, not use up its time. The e2e harness has its own per-test watchdog
+# (PODVOLUME_E2E_TEST_TIMEOUT) that reports what was running; this catches every other suite.
+bounded() {
+  local limit=$1
+  shift
+  echo "+ $* (at most ${limit} s)"
+  local rc=0
+  timeout --kill-after=30 "$limit" "$@" || rc=$?
+  if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
+    echo "test.sh: '$*' did not finish within ${limit} s; stopped (a hang: see the last tests named above)" >&2
+  fi
+  return "$rc"
+}
 
 # Pass 1: every test, restic from PATH.
 echo "== pass 1: every test with $(restic version) ($(command -v restic)) =="
-run cargo test --workspace --no-fail-fast
+bounded 2400 cargo test --workspace --no-fail-fast
 run cargo test --test restic_engine --test cli --test s3_cli --test e2e -- --show-output restic_under_test
 
 # Pass 2: what depends on restic's own behaviour, with 0.18: the engine (backup, incremental,
@@ -59,9 +73,9 @@ run cargo test --test restic_engine --test cli --test s3_cli --test e2e -- --sho
 # retrying after 5 minutes), too long for a test run.
 export PODVOLUME_TEST_RESTIC=$restic_new PODVOLUME_TEST_RESTIC_VERSION=0.18.0
 echo "== pass 2: restic suites with $("$restic_new" version) ($restic_new) =="
-run cargo test --test restic_engine --test cli --test s3_cli -- --skip upgrade_014_to_018 \
+bounded 1200 cargo test --test restic_engine --test cli --test s3_cli -- --skip upgrade_014_to_018 \
   --skip without_the_ca
-run cargo test --test e2e -- backup_with_progress cancel_mid_backup deleting_a_running \
+bounded 1200 cargo test --test e2e -- backup_with_progress cancel_mid_backup deleting_a_running \
   exit_3 empty_volume restore_ incremental_backup_uses restic_under_test \
   two_locations missing_repository_is_created
 run cargo test --test restic_engine --test cli --test s3_cli --test e2e -- --show-output restic_under_test

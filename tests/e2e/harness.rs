@@ -56,6 +56,114 @@ pub struct Env {
     pub pods_dir: PathBuf,
     pub repo: PathBuf,
     pub password_file: PathBuf,
+    /// Every agent this test started (pid, log), for the watchdog.
+    agents: Arc<Mutex<Vec<(u32, PathBuf)>>>,
+    _watchdog: Watchdog,
+}
+
+/// Ends the whole test binary, loudly, when one test runs past its deadline: a test that hangs
+/// (a blocked runtime, a peer that accepts and never answers) must fail with what it was doing,
+/// not sit until CI's own limit kills everything with nothing said. The deadline is
+/// `PODVOLUME_E2E_TEST_TIMEOUT` (humantime, default 10m), far above the slowest test.
+struct Watchdog {
+    stop: Option<std::sync::mpsc::Sender<()>>,
+}
+
+impl Watchdog {
+    fn start(agents: Arc<Mutex<Vec<(u32, PathBuf)>>>) -> Watchdog {
+        let limit = std::env::var("PODVOLUME_E2E_TEST_TIMEOUT")
+            .ok()
+            .map(|v| humantime::parse_duration(&v).expect("PODVOLUME_E2E_TEST_TIMEOUT"))
+            .unwrap_or(Duration::from_secs(600));
+        let test = std::thread::current()
+            .name()
+            .unwrap_or("an e2e test")
+            .to_string();
+        let (stop, stopped) = std::sync::mpsc::channel::<()>();
+        std::thread::spawn(move || {
+            if let Err(std::sync::mpsc::RecvTimeoutError::Timeout) = stopped.recv_timeout(limit) {
+                let agents = agents.lock().unwrap_or_else(|e| e.into_inner()).clone();
+                report_hang(&test, limit, &agents);
+                // Exiting runs no Drop: stop the agents and their uploaders here, or they
+                // outlive the test binary.
+                for (pid, _) in &agents {
+                    stop_agent_and_uploaders(*pid);
+                }
+                std::process::exit(124);
+            }
+        });
+        Watchdog { stop: Some(stop) }
+    }
+}
+
+impl Drop for Watchdog {
+    fn drop(&mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+    }
+}
+
+/// SIGKILL to an agent and to the process group of each of its children (every uploader runs
+/// in its own group).
+fn stop_agent_and_uploaders(agent: u32) {
+    use nix::sys::signal::{Signal, kill, killpg};
+    use nix::unistd::Pid;
+    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
+            continue;
+        };
+        // pid (comm) state ppid pgrp ...: comm may hold spaces, so split after its ')'.
+        let Some((_, rest)) = stat.rsplit_once(')') else {
+            continue;
+        };
+        let fields: Vec<&str> = rest.split_whitespace().collect();
+        if fields.get(1).and_then(|p| p.parse::<u32>().ok()) == Some(agent)
+            && let Some(pgrp) = fields.get(2).and_then(|g| g.parse::<i32>().ok())
+        {
+            let _ = killpg(Pid::from_raw(pgrp), Signal::SIGKILL);
+        }
+    }
+    let _ = kill(Pid::from_raw(agent as i32), Signal::SIGKILL);
+}
+
+/// Written straight to the process's stderr: the test harness captures what the test's
+/// threads print, and would drop it when the process exits.
+fn report_hang(test: &str, limit: Duration, agents: &[(u32, PathBuf)]) {
+    use std::io::Write;
+    let mut r = format!(
+        "\n==== e2e watchdog: {test} still running after {limit:?}; ending the test binary ====\n"
+    );
+    let ps = Command::new("ps")
+        .args(["-eo", "pid,ppid,pgid,stat,etime,args"])
+        .output()
+        .map(|o| {
+            // Kernel threads ([name]) say nothing about the test.
+            String::from_utf8_lossy(&o.stdout)
+                .lines()
+                .filter(|l| {
+                    !l.split_whitespace()
+                        .nth(5)
+                        .is_some_and(|a| a.starts_with('['))
+                })
+                .map(|l| format!("{l}\n"))
+                .collect::<String>()
+        })
+        .unwrap_or_default();
+    r.push_str("---- processes ----\n");
+    r.push_str(&ps);
+    for (_, log) in agents {
+        for path in [log.clone(), log.with_extension("err")] {
+            let text = std::fs::read_to_string(&path).unwrap_or_default();
+            let tail: Vec<&str> = text.lines().rev().take(80).collect();
+            r.push_str(&format!("---- last lines of {} ----\n", path.display()));
+            for line in tail.into_iter().rev() {
+                r.push_str(line);
+                r.push('\n');
+            }
+        }
+    }
+    let _ = std::io::stderr().write_all(r.as_bytes());
 }
 
 fn unique(prefix: &str) -> String {
@@ -128,6 +236,7 @@ impl Env {
         std::fs::create_dir_all(&pods_dir).unwrap();
         let password_file = tmp.path().join("repo-password");
         std::fs::write(&password_file, "e2e password").unwrap();
+        let agents = Arc::new(Mutex::new(Vec::new()));
         // The location of the tests' local repositories: a plugin's provider, which gets no
         // cloud credentials or TLS settings.
         create_storage_location(
@@ -148,6 +257,8 @@ impl Env {
             pods_dir,
             password_file,
             tmp,
+            _watchdog: Watchdog::start(agents.clone()),
+            agents,
         }
     }
 
@@ -377,6 +488,7 @@ impl Env {
             .stdout(std::fs::File::create(&log).unwrap())
             .stderr(std::fs::File::create(log.with_extension("err")).unwrap());
         let child = cmd.spawn().unwrap();
+        self.agents.lock().unwrap().push((child.id(), log.clone()));
         Agent {
             child: Some(child),
             port,
@@ -787,6 +899,14 @@ impl Agent {
 
     /// GET on the agent's admin server; (status, body).
     pub async fn http_get(&self, path: &str) -> Option<(u16, String)> {
+        // Bounded: an agent that accepts and never answers is a failure to report, not a hang.
+        tokio::time::timeout(Duration::from_secs(10), self.http_exchange(path))
+            .await
+            .ok()
+            .flatten()
+    }
+
+    async fn http_exchange(&self, path: &str) -> Option<(u16, String)> {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let mut s = tokio::net::TcpStream::connect(("127.0.0.1", self.port))
             .await

@@ -173,13 +173,24 @@ async fn the_assertions_follow_the_crds_the_api_server_serves() {
 
 use kube::ResourceExt;
 
-/// A backup that stays InProgress for a while (uploads slowed), with bytes moving.
+/// A backup that stays InProgress for a while (uploads slowed to 300 KiB/s: about 2 minutes),
+/// with bytes moving.
 async fn running_backup(env: &Env, name: &str, extra: &[&str]) -> (Agent, kube::api::ObjectMeta) {
+    running_backup_at(env, name, extra, 300).await
+}
+
+/// As [`running_backup`], uploading at `kib` KiB/s (40 MiB in all).
+async fn running_backup_at(
+    env: &Env,
+    name: &str,
+    extra: &[&str],
+    kib: u32,
+) -> (Agent, kube::api::ObjectMeta) {
     let (pod, dirs) = env
         .create_pod(&format!("{name}-pod"), NODE, &["data"])
         .await;
     Env::fill(&dirs["data"], &[("a.bin", 30 << 20), ("b.bin", 10 << 20)]);
-    let slow = env.slow_restic(300);
+    let slow = env.slow_restic(kib);
     let mut args = vec![format!("--restic-binary={}", slow.display())];
     args.extend(extra.iter().map(|s| s.to_string()));
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
@@ -432,7 +443,9 @@ async fn api_outage_mid_backup_the_result_still_lands() {
         eprintln!("skipped: needs the API stand-in (fault injection)");
         return;
     };
-    let (agent, _) = running_backup(&env, "pvb-outage", &[]).await;
+    // About a minute of upload, so the 30 s outage falls inside it with time to spare on a
+    // loaded machine (at running_backup's 2 minutes the wait below was a race with the clock).
+    let (agent, _) = running_backup_at(&env, "pvb-outage", &[], 700).await;
     server.server_down_for(Duration::from_secs(30));
     // The agent stays alive and healthy while the API server is gone.
     tokio::time::sleep(Duration::from_secs(2)).await;
