@@ -232,7 +232,7 @@ pub(crate) fn write_private(
 }
 
 async fn client(args: &RunArgs) -> Result<Client, String> {
-    let config = match &args.kubeconfig {
+    let mut config = match &args.kubeconfig {
         Some(path) => {
             let kc = kube::config::Kubeconfig::read_from(path)
                 .map_err(|e| format!("kubeconfig {}: {e}", path.display()))?;
@@ -242,6 +242,13 @@ async fn client(args: &RunArgs) -> Result<Client, String> {
         }
         None => kube::Config::incluster().map_err(|e| format!("in-cluster configuration: {e}"))?,
     };
+    // kube sets no read timeout: a request whose connection goes silent (a partition that
+    // drops packets, an API server that accepts and stalls) would wait forever, and with it the
+    // status writer or a reconcile. 295 s is longer than any watch stays silent (the watcher
+    // asks for 290 s and then reconnects), so watches are untouched; counted from each write,
+    // not from when a pooled connection went idle.
+    config.read_timeout = Some(std::time::Duration::from_secs(295));
+    config.reset_reader_on_write = true;
     Client::try_from(config).map_err(|e| format!("Kubernetes client: {e}"))
 }
 
