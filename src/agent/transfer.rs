@@ -15,6 +15,7 @@ use super::status::{Finalizer, ObjectWriter, VolumeObject, WriteError, now_rfc33
 use crate::crd::Phase;
 use crate::operation::Operation;
 use crate::progress::{OperationProgress, WriteSchedule};
+use crate::telemetry::{FailureLog, FailureStreak};
 
 /// Publishes an Event on the object; failures are logged, never fatal.
 pub async fn event<K: VolumeObject>(
@@ -63,6 +64,14 @@ fn write_key(p: &OperationProgress) -> (u64, u64, String) {
     (p.n_completed, p.n_total, stage)
 }
 
+/// How often a progress write that keeps failing is logged again (once when it starts, once
+/// when it ends, and this in between).
+const FAILURE_REMINDER: Duration = Duration::from_secs(60);
+
+fn round_to_ms(d: Duration) -> Duration {
+    Duration::from_millis(u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
 /// Runs until the operation ends. Returns why it was stopped, if it was.
 pub async fn monitor<K: VolumeObject>(
     ctx: &Context,
@@ -87,6 +96,7 @@ pub async fn monitor<K: VolumeObject>(
     let mut schedule = WriteSchedule::new(Instant::now(), args.update_interval);
     let mut updates = op.subscribe();
     let mut updates_open = true;
+    let mut write_failures = FailureStreak::new(FAILURE_REMINDER);
     let mut pending = false;
     let mut last_bytes = 0u64;
     let mut last_change = Instant::now();
@@ -136,7 +146,12 @@ pub async fn monitor<K: VolumeObject>(
                 let mut patch = progress_status(&p);
                 patch["message"] = Value::String(p.description.clone());
                 match writer.write(Some(patch), None).await {
-                    Ok(_) => last_written = Some(key),
+                    Ok(_) => {
+                        last_written = Some(key);
+                        if let Some((failures, lasting)) = write_failures.succeeded(Instant::now()) {
+                            tracing::info!(failures, lasted = %humantime::format_duration(round_to_ms(lasting)), "progress writes work again");
+                        }
+                    }
                     Err(WriteError::Terminal(phase)) => {
                         tracing::warn!(?phase, "someone else finished the object; stopping the transfer");
                         ctx.registry.cancel(uid, CancelReason::Requested);
@@ -147,7 +162,11 @@ pub async fn monitor<K: VolumeObject>(
                     }
                     // Tried again at the next due moment with the newest value.
                     Err(e) => {
-                        tracing::warn!(error = %e, "progress write failed");
+                        match write_failures.failed(Instant::now()) {
+                            FailureLog::First => tracing::warn!(error = %e, "progress write failed; trying again at each interval with the newest value"),
+                            FailureLog::StillFailing { failures, lasting } => tracing::warn!(error = %e, failures, lasting = %humantime::format_duration(round_to_ms(lasting)), "progress writes still failing"),
+                            FailureLog::Quiet => tracing::debug!(error = %e, "progress write failed"),
+                        }
                         pending = true;
                     }
                 }

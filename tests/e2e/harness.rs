@@ -483,7 +483,8 @@ impl Env {
             // agent may create them. Tests of the default pass --init-missing-repository=false.
             .arg("--init-missing-repository")
             .args(extra)
-            .env("RUST_LOG", "info,kube=warn,tower=warn,hyper=warn")
+            // The agent's own default filter (what a DaemonSet without RUST_LOG logs).
+            .env_remove("RUST_LOG")
             .stdin(Stdio::null())
             .stdout(std::fs::File::create(&log).unwrap())
             .stderr(std::fs::File::create(log.with_extension("err")).unwrap());

@@ -465,6 +465,15 @@ async fn api_outage_mid_backup_the_result_still_lands() {
             .iter()
             .any(|s| s["short_id"] == id.as_str())
     );
+    // 30 s of failed progress writes at a 200 ms interval: said when they begin and when they
+    // end (and once a minute in between), not once per interval; and not a second time by
+    // kube's own trace layer.
+    let logs = agent.logs();
+    let count = |needle: &str| logs.lines().filter(|l| l.contains(needle)).count();
+    assert_eq!(count("progress write failed"), 1, "{logs}");
+    assert!(count("progress writes still failing") <= 1, "{logs}");
+    assert_eq!(count("progress writes work again"), 1, "{logs}");
+    assert_eq!(count("failed with error"), 0, "{logs}");
     env.cleanup().await;
 }
 
