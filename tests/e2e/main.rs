@@ -693,6 +693,57 @@ async fn restore_waits_for_the_restore_helper_to_run() {
     env.cleanup().await;
 }
 
+/// The restore side of the attempts limit: a restore whose every run was interrupted by an
+/// agent restart is failed with the cause, and nothing is written into the volume, although
+/// its snapshot is there and a run would succeed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restore_interrupted_max_attempts_times_is_failed_not_started_again() {
+    let env = Env::new(Flavour::Velero).await;
+    let (mut agent, _, id, _) = backed_up(&env, &[("a.bin", 1 << 20)]).await;
+    agent.signal(Signal::SIGTERM);
+    agent.wait(Duration::from_secs(10));
+    let (dst_pod, dst) = env.create_pod("dst-pod", NODE, &["data"]).await;
+    env.create_pvr("pvr-attempts", &dst_pod, "data", &id, "restore-uid-a")
+        .await;
+    env.pvrs()
+        .patch(
+            "pvr-attempts",
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(
+                json!({"metadata": {"annotations": {"podvolume-agent.io/attempts": "2"}}}),
+            ),
+        )
+        .await
+        .unwrap();
+    let mut agent = env.start_agent(NODE, &["--max-attempts=2"]);
+    agent.wait_ready(LONG).await;
+    let r = env
+        .wait_pvr(
+            "pvr-attempts",
+            &[Phase::Completed, Phase::Failed, Phase::Canceled],
+            LONG,
+        )
+        .await;
+    let st = r.status.clone().unwrap();
+    assert_eq!(st.phase, Some(Phase::Failed), "{st:?}\n{}", agent.logs());
+    let message = st.message.clone().unwrap_or_default();
+    assert!(
+        message.contains("the restore was started 2 times")
+            && message.contains("interrupted by a node agent restart"),
+        "{message}"
+    );
+    assert_eq!(
+        r.annotations()
+            .get("podvolume-agent.io/attempts")
+            .map(String::as_str),
+        Some("2")
+    );
+    assert!(!dst["data"].join("a.bin").exists());
+    assert!(!dst["data"].join(".velero").exists());
+    assert!(env.uploader_processes().is_empty());
+    env.cleanup().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn restore_into_another_pod_with_the_done_file() {
     let env = Env::new(Flavour::Velero).await;
