@@ -9,9 +9,10 @@ use kube::{Api, ResourceExt};
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
 
-use super::registry::{CancelReason, CancelResult, OperationKind};
-use super::status::{Finalizer, ObjectWriter, VolumeObject, WriteError, now_rfc3339};
-use super::transfer::{self, Gate, end, event, finish, monitor, saved_outcome, terminal_phase};
+use super::reconcile::{self, writer};
+use super::registry::CancelReason;
+use super::status::{VolumeObject, WriteError, now_rfc3339};
+use super::transfer::{self, Gate, end, event, monitor, terminal_phase};
 use super::{Context, Error};
 use crate::crd::{ATTEMPTS_ANNOTATION, Phase, PodVolumeBackup};
 use crate::engine::BackupRequest;
@@ -19,12 +20,6 @@ use crate::uploader::restic::BackupOptions;
 use crate::uploader::{OutcomeKind, UploaderKind};
 
 pub const PVC_UID_LABEL: &str = "velero.io/pvc-uid";
-
-fn writer(ctx: &Context, pvb: &PodVolumeBackup) -> ObjectWriter<PodVolumeBackup> {
-    let api: Api<PodVolumeBackup> =
-        Api::namespaced(ctx.client.clone(), &pvb.namespace().unwrap_or_default());
-    ObjectWriter::new(api, pvb, ctx.pvb_status_subresource, ctx.metrics.clone())
-}
 
 pub async fn reconcile(pvb: Arc<PodVolumeBackup>, ctx: Arc<Context>) -> Result<Action, Error> {
     use tracing::Instrument;
@@ -37,107 +32,15 @@ async fn reconcile_inner(pvb: Arc<PodVolumeBackup>, ctx: Arc<Context>) -> Result
     if pvb.spec.node != ctx.args.node_name || ctx.shutdown.is_cancelled() {
         return Ok(Action::await_change());
     }
-    let uid = pvb.uid().unwrap_or_default();
-    let phase = pvb.phase();
-    if phase.is_terminal() {
+    if pvb.phase().is_terminal() {
         if pvb.finalizers().iter().any(|f| f == crate::crd::FINALIZER)
-            && !transfer::remove_finalizer(&mut writer(&ctx, &pvb)).await
+            && !transfer::remove_finalizer(&mut writer(&ctx, &*pvb)).await
         {
             return Ok(Action::requeue(Duration::from_secs(10)));
         }
         return Ok(Action::await_change());
     }
-    if let Some(saved) = transfer::unwritten_result(&ctx, &uid) {
-        // A result the API server never received (it was down, then we restarted).
-        tracing::info!("writing a saved result");
-        let mut w = writer(&ctx, &pvb);
-        let (phase, bytes) = saved_outcome(&saved.status);
-        return if finish(&ctx, &*pvb, &mut w, saved.status, &ctx.shutdown).await {
-            ctx.metrics.finished("backup", phase, Duration::ZERO, bytes);
-            Ok(Action::await_change())
-        } else {
-            Ok(Action::requeue(Duration::from_secs(5)))
-        };
-    }
-    let cancel = pvb.cancel_requested();
-    let reason = if pvb.metadata.deletion_timestamp.is_some() {
-        CancelReason::Deleted
-    } else {
-        CancelReason::Requested
-    };
-    if ctx.registry.is_active(&uid) {
-        if cancel && ctx.registry.cancel(&uid, reason) == CancelResult::WasQueued {
-            cancel_now(&ctx, &pvb, reason).await?;
-        }
-        return Ok(Action::await_change());
-    }
-    if cancel {
-        cancel_now(&ctx, &pvb, reason).await?;
-        return Ok(Action::await_change());
-    }
-    let pvb = match phase {
-        Phase::New => match claim(&ctx, &pvb).await? {
-            Some(p) => p,
-            None => return Ok(Action::await_change()),
-        },
-        _ => (*pvb).clone(),
-    };
-    transfer::submit(&ctx, pvb, OperationKind::Backup, run);
-    Ok(Action::await_change())
-}
-
-/// New -> Accepted, only if nobody changed the object since we saw it.
-async fn claim(ctx: &Context, pvb: &PodVolumeBackup) -> Result<Option<PodVolumeBackup>, Error> {
-    let mut w = writer(ctx, pvb);
-    let status = json!({ "phase": Phase::Accepted.as_str(), "acceptedTimestamp": now_rfc3339(), "message": "accepted by node agent, waiting for a slot" });
-    // Finalizer first (main object), then status: a crash in between leaves an object we still
-    // pick up (New with our finalizer), never an Accepted one a deletion would not cancel.
-    match w.set_finalizer(Finalizer::Add).await {
-        Ok(_) => {}
-        Err(WriteError::Gone) => return Ok(None),
-        Err(e) => return Err(Error::Write(e)),
-    }
-    match w.write(Some(status), None).await {
-        Ok(o) => {
-            ctx.metrics.backup_enqueued();
-            event(
-                ctx,
-                &o,
-                false,
-                "Accepted",
-                format!("accepted by the node agent on {}", ctx.args.node_name),
-            )
-            .await;
-            Ok(Some(o))
-        }
-        Err(WriteError::Gone | WriteError::Terminal(_)) => Ok(None),
-        Err(e) => Err(Error::Write(e)),
-    }
-}
-
-/// Cancel before the transfer started: straight to Canceled.
-async fn cancel_now(
-    ctx: &Context,
-    pvb: &PodVolumeBackup,
-    reason: CancelReason,
-) -> Result<(), Error> {
-    let mut w = writer(ctx, pvb);
-    let status = json!({
-        "phase": Phase::Canceled.as_str(),
-        "message": format!("{} before the backup started", transfer::reason_text(ctx, reason)),
-    });
-    if finish(ctx, pvb, &mut w, status, &ctx.shutdown).await {
-        ctx.metrics.finished("backup", "cancel", Duration::ZERO, 0);
-        event(
-            ctx,
-            pvb,
-            false,
-            "Canceled",
-            "canceled before the backup started".into(),
-        )
-        .await;
-    }
-    Ok(())
+    reconcile::saved_cancel_claim_submit(pvb, ctx, run).await
 }
 
 /// The backup, from its slot to its terminal write.
@@ -151,7 +54,7 @@ async fn run(ctx: Arc<Context>, pvb: PodVolumeBackup, token: CancellationToken) 
         let pvb = match transfer::gate(&ctx, &mut w, &token, started, failed).await {
             Gate::Start(p) => p,
             Gate::CancelBeforeStart(p, reason) => {
-                let _ = cancel_now(&ctx, &p, reason).await;
+                reconcile::cancel_before_start(&ctx, &p, reason).await;
                 return;
             }
             Gate::Stop => return,

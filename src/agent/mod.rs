@@ -10,6 +10,7 @@ pub mod admin;
 pub mod backup;
 pub mod metrics;
 pub mod opsapi;
+pub mod reconcile;
 pub mod registry;
 pub mod restore;
 pub mod state;

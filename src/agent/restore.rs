@@ -10,21 +10,16 @@ use kube::{Api, ResourceExt};
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
 
-use super::registry::{CancelReason, CancelResult, OperationKind};
-use super::status::{Finalizer, ObjectWriter, VolumeObject, WriteError, now_rfc3339};
-use super::transfer::{self, Gate, end, event, finish, monitor, saved_outcome, terminal_phase};
+use super::reconcile::{self, writer};
+use super::registry::CancelReason;
+use super::status::{VolumeObject, WriteError, now_rfc3339};
+use super::transfer::{self, Gate, end, event, monitor, terminal_phase};
 use super::{Context, Error, volume};
 use crate::crd::{ATTEMPTS_ANNOTATION, Phase, PodVolumeRestore};
 use crate::engine::RestoreRequest;
 use crate::uploader::OutcomeKind;
 
 pub const RESTORE_UID_LABEL: &str = "velero.io/restore-uid";
-
-fn writer(ctx: &Context, pvr: &PodVolumeRestore) -> ObjectWriter<PodVolumeRestore> {
-    let api: Api<PodVolumeRestore> =
-        Api::namespaced(ctx.client.clone(), &pvr.namespace().unwrap_or_default());
-    ObjectWriter::new(api, pvr, ctx.pvr_status_subresource, ctx.metrics.clone())
-}
 
 /// Names Velero gives the init container it adds (first) to every pod it restores volumes into
 /// (`restic-wait` before Velero 1.10). It waits for the done-file; once it runs, the pod's volumes
@@ -108,7 +103,7 @@ async fn reconcile_inner(pvr: Arc<PodVolumeRestore>, ctx: Arc<Context>) -> Resul
     if phase.is_terminal() {
         if ours_by_status
             && pvr.finalizers().iter().any(|f| f == crate::crd::FINALIZER)
-            && !transfer::remove_finalizer(&mut writer(&ctx, &pvr)).await
+            && !transfer::remove_finalizer(&mut writer(&ctx, &*pvr)).await
         {
             return Ok(Action::requeue(Duration::from_secs(10)));
         }
@@ -125,92 +120,7 @@ async fn reconcile_inner(pvr: Arc<PodVolumeRestore>, ctx: Arc<Context>) -> Resul
             TargetPod::Missing => return Ok(Action::requeue(POD_RECHECK * 6)),
         }
     }
-    if let Some(saved) = transfer::unwritten_result(&ctx, &uid) {
-        let mut w = writer(&ctx, &pvr);
-        let (phase, bytes) = saved_outcome(&saved.status);
-        return if finish(&ctx, &*pvr, &mut w, saved.status, &ctx.shutdown).await {
-            ctx.metrics
-                .finished("restore", phase, Duration::ZERO, bytes);
-            Ok(Action::await_change())
-        } else {
-            Ok(Action::requeue(Duration::from_secs(5)))
-        };
-    }
-    let cancel = pvr.cancel_requested();
-    let reason = if pvr.metadata.deletion_timestamp.is_some() {
-        CancelReason::Deleted
-    } else {
-        CancelReason::Requested
-    };
-    if ctx.registry.is_active(&uid) {
-        if cancel && ctx.registry.cancel(&uid, reason) == CancelResult::WasQueued {
-            cancel_now(&ctx, &pvr, reason).await;
-        }
-        return Ok(Action::await_change());
-    }
-    if cancel {
-        cancel_now(&ctx, &pvr, reason).await;
-        return Ok(Action::await_change());
-    }
-    let pvr = match phase {
-        Phase::New => match claim(&ctx, &pvr).await? {
-            Some(p) => p,
-            None => return Ok(Action::await_change()),
-        },
-        _ => (*pvr).clone(),
-    };
-    transfer::submit(&ctx, pvr, OperationKind::Restore, run);
-    Ok(Action::await_change())
-}
-
-async fn claim(ctx: &Context, pvr: &PodVolumeRestore) -> Result<Option<PodVolumeRestore>, Error> {
-    let mut w = writer(ctx, pvr);
-    match w.set_finalizer(Finalizer::Add).await {
-        Ok(_) => {}
-        Err(WriteError::Gone) => return Ok(None),
-        Err(e) => return Err(Error::Write(e)),
-    }
-    let status = json!({
-        "phase": Phase::Accepted.as_str(),
-        "acceptedTimestamp": now_rfc3339(),
-        "node": ctx.args.node_name,
-        "message": "accepted by node agent, waiting for a slot",
-    });
-    match w.write(Some(status), None).await {
-        Ok(o) => {
-            event(
-                ctx,
-                &o,
-                false,
-                "Accepted",
-                format!("accepted by the node agent on {}", ctx.args.node_name),
-            )
-            .await;
-            Ok(Some(o))
-        }
-        Err(WriteError::Gone | WriteError::Terminal(_)) => Ok(None),
-        Err(e) => Err(Error::Write(e)),
-    }
-}
-
-async fn cancel_now(ctx: &Context, pvr: &PodVolumeRestore, reason: CancelReason) {
-    let mut w = writer(ctx, pvr);
-    let status = json!({
-        "phase": Phase::Canceled.as_str(),
-        "node": ctx.args.node_name,
-        "message": format!("{} before the restore started", transfer::reason_text(ctx, reason)),
-    });
-    if finish(ctx, pvr, &mut w, status, &ctx.shutdown).await {
-        ctx.metrics.finished("restore", "cancel", Duration::ZERO, 0);
-        event(
-            ctx,
-            pvr,
-            false,
-            "Canceled",
-            "canceled before the restore started".into(),
-        )
-        .await;
-    }
+    reconcile::saved_cancel_claim_submit(pvr, ctx, run).await
 }
 
 /// The owning Restore's UID names the done-file.
@@ -232,7 +142,7 @@ async fn run(ctx: Arc<Context>, pvr: PodVolumeRestore, token: CancellationToken)
         let pvr = match transfer::gate(&ctx, &mut w, &token, started, |m| failed(&ctx, m)).await {
             Gate::Start(p) => p,
             Gate::CancelBeforeStart(p, reason) => {
-                cancel_now(&ctx, &p, reason).await;
+                reconcile::cancel_before_start(&ctx, &p, reason).await;
                 return;
             }
             Gate::Stop => return,
