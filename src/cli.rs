@@ -98,7 +98,7 @@ pub struct RunArgs {
     #[arg(long, env = "VELERO_NAMESPACE", default_value = "velero")]
     pub namespace: String,
     /// How often running operations write progress to their object.
-    #[arg(long, env = "UPDATE_INTERVAL", default_value = "10s", value_parser = humantime::parse_duration)]
+    #[arg(long, env = "UPDATE_INTERVAL", default_value = "10s", value_parser = parse_interval)]
     pub update_interval: Duration,
     /// Transfers at once on this node; others wait in Accepted, oldest first.
     #[arg(long, env = "CONCURRENCY", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
@@ -193,6 +193,16 @@ pub struct RunArgs {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct OptionalDuration(pub Option<Duration>);
 
+/// A period something is done at: more than zero (a zero period is no period; the timers
+/// behind it cannot run at it).
+fn parse_interval(s: &str) -> Result<Duration, String> {
+    let d = humantime::parse_duration(s).map_err(|e| e.to_string())?;
+    if d.is_zero() {
+        return Err("must be more than zero (e.g. 1s, 500ms)".into());
+    }
+    Ok(d)
+}
+
 fn parse_optional_duration(s: &str) -> Result<OptionalDuration, String> {
     if s.trim() == "0" {
         return Ok(OptionalDuration(None));
@@ -224,7 +234,7 @@ pub struct CommonArgs {
     #[arg(long)]
     pub json: bool,
     /// How often progress is printed (humantime: `1s`, `500ms`).
-    #[arg(long, default_value = "1s", value_parser = humantime::parse_duration)]
+    #[arg(long, default_value = "1s", value_parser = parse_interval)]
     pub update_interval: Duration,
     /// Time between SIGINT and SIGKILL when stopping the uploader.
     #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
@@ -296,5 +306,54 @@ fn parse_tag(s: &str) -> Result<(String, String), String> {
     match s.split_once('=') {
         Some((k, v)) if !k.is_empty() => Ok((k.to_string(), v.to_string())),
         _ => Err(format!("expected key=value, got {s:?}")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_zero_update_interval_is_refused_with_the_flag_named() {
+        for zero in ["0", "0s", "0ms"] {
+            let run = Cli::try_parse_from([
+                "podvolume-agent",
+                "run",
+                "--node-name=n1",
+                &format!("--update-interval={zero}"),
+            ]);
+            let e = run.expect_err(zero).to_string();
+            assert!(e.contains("--update-interval") && e.contains("more than zero"), "{e}");
+            let backup = Cli::try_parse_from([
+                "podvolume-agent",
+                "backup",
+                "--repo=/r",
+                "--password-file=/p",
+                &format!("--update-interval={zero}"),
+                "/data",
+            ]);
+            let e = backup.expect_err(zero).to_string();
+            assert!(e.contains("more than zero"), "{e}");
+        }
+        Cli::try_parse_from([
+            "podvolume-agent",
+            "backup",
+            "--repo=/r",
+            "--password-file=/p",
+            "--update-interval=1s",
+            "/data",
+        ])
+        .unwrap();
+        let ok = Cli::try_parse_from([
+            "podvolume-agent",
+            "run",
+            "--node-name=n1",
+            "--update-interval=250ms",
+        ])
+        .unwrap();
+        let Command::Run(args) = ok.command else {
+            panic!("not run")
+        };
+        assert_eq!(args.update_interval, Duration::from_millis(250));
     }
 }
