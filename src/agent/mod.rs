@@ -134,11 +134,7 @@ pub async fn repository_access(
         Some(f) => f.clone(),
         None => secret_password_file(ctx).await?,
     };
-    let cache_dir = ctx
-        .args
-        .scratch_dir
-        .join(".cache")
-        .join(uploader.to_string());
+    let cache_dir = uploader_cache_dir(&ctx.args.scratch_dir, uploader, repo);
     Ok((
         RepositoryAccess {
             repository: repo.to_string(),
@@ -206,7 +202,50 @@ async fn secret_password_file(ctx: &Context) -> Result<PathBuf, String> {
         .map_err(|e| format!("cannot write the password file: {e}"))
 }
 
-/// Writes a file only its owner can read, atomically.
+/// Where an uploader keeps its cache (and kopia its connection). restic keys its cache by
+/// repository itself: one dir for all. kopia keeps which repository it is connected to in a
+/// config file there, and `repository connect` and `snapshot create` are separate runs: two
+/// operations on two repositories sharing one config would each snapshot into whichever
+/// connected last, and report Completed for data in the other repository. One dir per
+/// repository keeps them apart and keeps each repository's cache across its operations.
+fn uploader_cache_dir(scratch: &std::path::Path, uploader: UploaderKind, repo: &str) -> PathBuf {
+    let base = scratch.join(".cache").join(uploader.to_string());
+    match uploader {
+        UploaderKind::Restic => base,
+        UploaderKind::Kopia => {
+            // Readable (the repository's last path characters) and unique (a stable hash of
+            // all of it); a single path component whatever the identifier holds.
+            let tail: String = repo
+                .chars()
+                .rev()
+                .take(40)
+                .collect::<Vec<_>>()
+                .into_iter()
+                .rev()
+                .map(|c| {
+                    if c.is_ascii_alphanumeric() || c == '-' {
+                        c
+                    } else {
+                        '_'
+                    }
+                })
+                .collect();
+            base.join(format!("{tail}-{:016x}", fnv1a64(repo.as_bytes())))
+        }
+    }
+}
+
+/// FNV-1a, 64 bits: stable across builds and Rust versions (std's hasher promises neither),
+/// which a directory name that must be found again after an upgrade needs.
+fn fnv1a64(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+/// Writes a file only its owner can read, atomically. Operations that start together (Velero
+/// creates all the PVBs of a pod at once) write the same file at the same time: each writes its
+/// own temporary file, so none truncates another's or renames it away.
 pub(crate) fn write_private(
     dir: &std::path::Path,
     name: &str,
@@ -218,18 +257,27 @@ pub(crate) fn write_private(
         .recursive(true)
         .mode(0o700)
         .create(dir)?;
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     let path = dir.join(name);
-    let tmp = dir.join(format!(".{name}.tmp"));
-    let mut f = std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .mode(0o600)
-        .open(&tmp)?;
-    f.write_all(data)?;
-    f.sync_all()?;
-    std::fs::rename(&tmp, &path)?;
-    Ok(path)
+    let tmp = dir.join(format!(
+        ".{name}.{}.{}.tmp",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    ));
+    let written = (|| {
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&tmp)?;
+        f.write_all(data)?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, &path)
+    })();
+    if written.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    written.map(|()| path)
 }
 
 async fn client(args: &RunArgs) -> Result<Client, String> {
@@ -517,4 +565,69 @@ pub async fn run(args: RunArgs) -> i32 {
     }
     tracing::info!("stopped");
     0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kopia_gets_one_cache_dir_per_repository_restic_one_for_all() {
+        let scratch = std::path::Path::new("/scratch");
+        let a = uploader_cache_dir(scratch, UploaderKind::Kopia, "/repos/ns1");
+        let b = uploader_cache_dir(scratch, UploaderKind::Kopia, "/repos/ns2");
+        assert_ne!(a, b);
+        assert_eq!(
+            a,
+            uploader_cache_dir(scratch, UploaderKind::Kopia, "/repos/ns1")
+        );
+        // Stable across builds: a changed hash would orphan every node's kopia cache. FNV-1a's
+        // published vector, and this path's value computed apart.
+        assert_eq!(fnv1a64(b"a"), 0xaf63_dc4c_8601_ec8c);
+        assert_eq!(a, scratch.join(".cache/kopia/_repos_ns1-98c75875e6cf87b2"));
+        // Whatever the identifier holds, one component under the uploader's dir.
+        let hostile = uploader_cache_dir(scratch, UploaderKind::Kopia, "../../etc/\u{e9}x/..");
+        assert_eq!(
+            hostile.parent(),
+            Some(scratch.join(".cache/kopia").as_path())
+        );
+        assert!(
+            !hostile
+                .file_name()
+                .unwrap()
+                .to_str()
+                .unwrap()
+                .contains("..")
+        );
+        assert_eq!(
+            uploader_cache_dir(scratch, UploaderKind::Restic, "/repos/ns1"),
+            uploader_cache_dir(scratch, UploaderKind::Restic, "s3:https://x/b/ns2")
+        );
+    }
+
+    #[test]
+    fn private_files_written_at_once_by_many_all_land_whole() {
+        let dir = tempfile::tempdir().unwrap();
+        let threads: Vec<_> = (0..8u8)
+            .map(|t| {
+                let dir = dir.path().to_path_buf();
+                std::thread::spawn(move || {
+                    for _ in 0..300 {
+                        let data = vec![t; 4096];
+                        let path = write_private(&dir, "repository-password", &data)
+                            .expect("every write succeeds");
+                        let read = std::fs::read(&path).unwrap();
+                        // Whole: some thread's 4096 bytes, never a truncated or mixed file.
+                        assert_eq!(read.len(), 4096);
+                        assert!(read.iter().all(|b| *b == read[0]));
+                    }
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap();
+        }
+        let left: Vec<_> = std::fs::read_dir(dir.path()).unwrap().flatten().collect();
+        assert_eq!(left.len(), 1, "no temporary file left: {left:?}");
+    }
 }
