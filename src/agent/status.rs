@@ -106,6 +106,11 @@ pub struct ObjectWriter<K: VolumeObject> {
     /// The object's finalizers at `resource_version`: a finalizer change is computed from them on
     /// every attempt, so a retry after a conflict never drops a finalizer someone else added.
     finalizers: Vec<String>,
+    /// The phase at `resource_version`. Once it is terminal no status write is sent, whoever
+    /// wrote it: a result Velero (or anyone) wrote is final, and Velero may already have acted
+    /// on it. Checking only after a 409 is not enough: the re-read takes the terminal version,
+    /// so the next write would go through without a conflict.
+    phase: Phase,
     metrics: Arc<Metrics>,
 }
 
@@ -127,6 +132,7 @@ impl<K: VolumeObject> ObjectWriter<K> {
             subresource,
             resource_version: obj.meta().resource_version.clone(),
             finalizers: obj.meta().finalizers.clone().unwrap_or_default(),
+            phase: obj.phase(),
             metrics,
         }
     }
@@ -134,6 +140,7 @@ impl<K: VolumeObject> ObjectWriter<K> {
     fn seen(&mut self, o: &K) {
         self.resource_version = o.meta().resource_version.clone();
         self.finalizers = o.meta().finalizers.clone().unwrap_or_default();
+        self.phase = o.phase();
     }
 
     /// `metadata.finalizers` after `change`, or `None` when it changes nothing.
@@ -215,6 +222,9 @@ impl<K: VolumeObject> ObjectWriter<K> {
     ) -> Result<K, WriteError> {
         let mut attempt = 0;
         loop {
+            if status.is_some() && self.phase.is_terminal() {
+                return Err(WriteError::Terminal(self.phase));
+            }
             let mut metadata = metadata.clone();
             if let Some(Value::Object(f)) = self.finalizers_after(finalizer) {
                 match &mut metadata {
@@ -226,10 +236,8 @@ impl<K: VolumeObject> ObjectWriter<K> {
                 Ok(o) => return Ok(o),
                 Err(e) if is_status(&e, 409) && attempt < CONFLICT_RETRIES => {
                     attempt += 1;
-                    let fresh = self.refresh().await?;
-                    if status.is_some() && fresh.phase().is_terminal() {
-                        return Err(WriteError::Terminal(fresh.phase()));
-                    }
+                    // The loop's first check refuses the status write if this made it terminal.
+                    self.refresh().await?;
                     tokio::time::sleep(Duration::from_millis(50 * u64::from(attempt))).await;
                 }
                 Err(e) if is_status(&e, 404) => return Err(WriteError::Gone),

@@ -120,6 +120,8 @@ pub async fn monitor<K: VolumeObject>(
                     let patch = json!({ "phase": Phase::Canceling.as_str(), "message": message });
                     match writer.write(Some(patch), None).await {
                         Ok(_) => ctx.registry.set_phase(uid, Phase::Canceling.as_str()),
+                        // Someone else's result stands (the cancel may be ours because of it).
+                        Err(WriteError::Terminal(_) | WriteError::Gone) => {}
                         Err(e) => tracing::warn!(error = %e, "could not write Canceling"),
                     }
                 }

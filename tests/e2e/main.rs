@@ -477,6 +477,46 @@ async fn api_outage_mid_backup_the_result_still_lands() {
     env.cleanup().await;
 }
 
+/// Velero's server marks the PVBs it finds InProgress at its own start Failed: that result is
+/// final. The agent stops its restic and writes nothing over it (not Canceling, not its own
+/// end); it only takes its finalizer off.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_result_someone_else_wrote_mid_backup_is_not_overwritten() {
+    let env = Env::new(Flavour::Velero).await;
+    let (agent, _) = running_backup(&env, "pvb-theirs", &[]).await;
+    let theirs = "found a podvolumebackup with status InProgress during the server starting, mark it as Failed";
+    env.pvbs()
+        .patch(
+            "pvb-theirs",
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(json!({"status": {"phase": "Failed", "message": theirs}})),
+        )
+        .await
+        .unwrap();
+    let deadline = std::time::Instant::now() + LONG;
+    let last = loop {
+        let p = env.pvbs().get("pvb-theirs").await.unwrap();
+        if !has_our_finalizer(&p) && env.uploader_processes().is_empty() {
+            break p;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "still running: {:?}\n{}",
+            p.status,
+            agent.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    // A few intervals more: nothing the agent still had in flight may land after.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let p = env.pvbs().get("pvb-theirs").await.unwrap();
+    assert_eq!(p.metadata.resource_version, last.metadata.resource_version);
+    let st = status(&p);
+    assert_eq!(st.phase, Some(Phase::Failed), "{st:?}\n{}", agent.logs());
+    assert_eq!(st.message.as_deref(), Some(theirs));
+    env.cleanup().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn conflict_storm_on_status_writes() {
     let env = Env::new(Flavour::Velero).await;
