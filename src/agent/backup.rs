@@ -11,10 +11,10 @@ use tokio_util::sync::CancellationToken;
 
 use super::reconcile::{self, writer};
 use super::registry::CancelReason;
-use super::status::{VolumeObject, WriteError, now_rfc3339};
+use super::status::{VolumeObject, now_rfc3339};
 use super::transfer::{self, Gate, end, event, monitor, terminal_phase};
 use super::{Context, Error};
-use crate::crd::{ATTEMPTS_ANNOTATION, Phase, PodVolumeBackup};
+use crate::crd::{Phase, PodVolumeBackup};
 use crate::engine::BackupRequest;
 use crate::uploader::restic::BackupOptions;
 use crate::uploader::{OutcomeKind, UploaderKind};
@@ -51,7 +51,7 @@ async fn run(ctx: Arc<Context>, pvb: PodVolumeBackup, token: CancellationToken) 
     async {
         let started = Instant::now();
         let mut w = writer(&ctx, &pvb);
-        let pvb = match transfer::gate(&ctx, &mut w, &token, started, failed).await {
+        let pvb = match transfer::gate(&ctx, &mut w, &pvb, &token, started, failed).await {
             Gate::Start(p) => p,
             Gate::CancelBeforeStart(p, reason) => {
                 reconcile::cancel_before_start(&ctx, &p, reason).await;
@@ -59,7 +59,6 @@ async fn run(ctx: Arc<Context>, pvb: PodVolumeBackup, token: CancellationToken) 
             }
             Gate::Stop => return,
         };
-        let starts = pvb.attempts();
         let prepared = match prepare(&ctx, &pvb).await {
             Ok(p) => p,
             Err(message) => {
@@ -73,18 +72,13 @@ async fn run(ctx: Arc<Context>, pvb: PodVolumeBackup, token: CancellationToken) 
             "path": prepared.request.source.display().to_string(),
             "message": "starting",
         });
-        let meta = json!({ "annotations": { ATTEMPTS_ANNOTATION: (starts + 1).to_string() } });
-        if let Err(e) = w.write(None, Some(meta)).await {
-            tracing::warn!(error = %e, "cannot record the attempt");
-        }
-        match w.write(Some(status), None).await {
-            Ok(_) => {}
-            Err(WriteError::Terminal(_) | WriteError::Gone) => return,
-            Err(e) => {
-                // Not started: the object stays Accepted and is picked up again.
-                tracing::warn!(error = %e, "cannot mark the backup InProgress");
+        match transfer::mark_in_progress(&ctx, &mut w, &pvb, &token, status).await {
+            Gate::Start(()) => {}
+            Gate::CancelBeforeStart((), reason) => {
+                reconcile::cancel_before_start(&ctx, &pvb, reason).await;
                 return;
             }
+            Gate::Stop => return,
         }
         ctx.registry.set_phase(&uid, Phase::InProgress.as_str());
         event(

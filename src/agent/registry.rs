@@ -326,11 +326,13 @@ fn summary(uid: &str, e: &Entry) -> OperationSummary {
         name: e.name.clone(),
         state: e.state,
         phase: e.phase.clone(),
+        // The final progress once there is one: its error is scrubbed of the location's
+        // secrets, the live operation's is not (it stays attached until the slot is freed,
+        // which a terminal write during an API outage can hold for long).
         progress: e
-            .operation
-            .as_ref()
-            .map(Operation::progress)
-            .or_else(|| e.final_progress.clone()),
+            .final_progress
+            .clone()
+            .or_else(|| e.operation.as_ref().map(Operation::progress)),
         queued_at: e.queued_at,
     }
 }

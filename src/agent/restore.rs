@@ -12,10 +12,10 @@ use tokio_util::sync::CancellationToken;
 
 use super::reconcile::{self, writer};
 use super::registry::CancelReason;
-use super::status::{VolumeObject, WriteError, now_rfc3339};
+use super::status::{VolumeObject, now_rfc3339};
 use super::transfer::{self, Gate, end, event, monitor, terminal_phase};
 use super::{Context, Error, volume};
-use crate::crd::{ATTEMPTS_ANNOTATION, Phase, PodVolumeRestore};
+use crate::crd::{Phase, PodVolumeRestore};
 use crate::engine::RestoreRequest;
 use crate::uploader::OutcomeKind;
 
@@ -139,15 +139,15 @@ async fn run(ctx: Arc<Context>, pvr: PodVolumeRestore, token: CancellationToken)
     async {
         let started = Instant::now();
         let mut w = writer(&ctx, &pvr);
-        let pvr = match transfer::gate(&ctx, &mut w, &token, started, |m| failed(&ctx, m)).await {
-            Gate::Start(p) => p,
-            Gate::CancelBeforeStart(p, reason) => {
-                reconcile::cancel_before_start(&ctx, &p, reason).await;
-                return;
-            }
-            Gate::Stop => return,
-        };
-        let starts = pvr.attempts();
+        let pvr =
+            match transfer::gate(&ctx, &mut w, &pvr, &token, started, |m| failed(&ctx, m)).await {
+                Gate::Start(p) => p,
+                Gate::CancelBeforeStart(p, reason) => {
+                    reconcile::cancel_before_start(&ctx, &p, reason).await;
+                    return;
+                }
+                Gate::Stop => return,
+            };
         let (request, restore_uid, location) = match prepare(&ctx, &pvr).await {
             Ok(p) => p,
             Err(message) => {
@@ -156,10 +156,6 @@ async fn run(ctx: Arc<Context>, pvr: PodVolumeRestore, token: CancellationToken)
             }
         };
         let target = request.target.clone();
-        let meta = json!({ "annotations": { ATTEMPTS_ANNOTATION: (starts + 1).to_string() } });
-        if let Err(e) = w.write(None, Some(meta)).await {
-            tracing::warn!(error = %e, "cannot record the attempt");
-        }
         let mut status = json!({
             "phase": Phase::InProgress.as_str(),
             "startTimestamp": now_rfc3339(),
@@ -169,13 +165,13 @@ async fn run(ctx: Arc<Context>, pvr: PodVolumeRestore, token: CancellationToken)
         if let Some(size) = pvr.spec.snapshot_size.filter(|s| *s > 0) {
             status["progress"] = json!({ "totalBytes": size });
         }
-        match w.write(Some(status), None).await {
-            Ok(_) => {}
-            Err(WriteError::Terminal(_) | WriteError::Gone) => return,
-            Err(e) => {
-                tracing::warn!(error = %e, "cannot mark the restore InProgress");
+        match transfer::mark_in_progress(&ctx, &mut w, &pvr, &token, status).await {
+            Gate::Start(()) => {}
+            Gate::CancelBeforeStart((), reason) => {
+                reconcile::cancel_before_start(&ctx, &pvr, reason).await;
                 return;
             }
+            Gate::Stop => return,
         }
         ctx.registry.set_phase(&uid, Phase::InProgress.as_str());
         event(

@@ -87,9 +87,17 @@ pub enum WriteError {
 }
 
 impl WriteError {
-    /// Worth retrying later (the API server is down or busy), as opposed to final.
+    /// Worth retrying later: the API server is down, slow, overloaded or busy with conflicts
+    /// (no answer, 5xx, 429, 409 after the writer's own retries), as opposed to refused for good
+    /// (403 from RBAC or a webhook, 422, 400) or final (gone, terminal).
     pub fn is_transient(&self) -> bool {
-        matches!(self, WriteError::Api(_))
+        match self {
+            WriteError::Api(kube::Error::Api(s)) => {
+                s.code >= 500 || s.code == 429 || s.code == 409 || s.code == 408
+            }
+            WriteError::Api(_) => true,
+            WriteError::Gone | WriteError::Terminal(_) => false,
+        }
     }
 }
 

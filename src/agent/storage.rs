@@ -268,9 +268,18 @@ async fn build(
             access.secrets.extend(secret_values(&value));
             Some(files.write("cloud-credentials", &value)?)
         }
-        _ => default_credentials_file
-            .exists()
-            .then(|| default_credentials_file.to_path_buf()),
+        _ if default_credentials_file.exists() => {
+            // Scrubbed from messages like a Secret's values: an uploader that echoes its
+            // credentials in an error must not carry them into the object's status. A file too
+            // large to be a credentials file is not read (its path is still passed on).
+            let small =
+                std::fs::metadata(default_credentials_file).is_ok_and(|m| m.len() <= 1 << 20);
+            if let (true, Ok(value)) = (small, std::fs::read(default_credentials_file)) {
+                access.secrets.extend(secret_values(&value));
+            }
+            Some(default_credentials_file.to_path_buf())
+        }
+        _ => None,
     };
     let file =
         |k: &str, f: &Option<PathBuf>| f.as_ref().map(|f| (k.to_string(), f.display().to_string()));
@@ -497,6 +506,11 @@ mod tests {
             [("AWS_SHARED_CREDENTIALS_FILE", f), ("AWS_PROFILE", "p1")]
         );
         assert!(aws.insecure_tls && aws.ca_cert.is_none());
+        // The default file's values are scrubbed from messages as a Secret's are.
+        assert_eq!(
+            aws.redact("Fatal: key other456 and azkey123 rejected"),
+            "Fatal: key *** and *** rejected"
+        );
         let gcp = built(serde_json::json!({"provider": "gcp"}), &file)
             .await
             .unwrap();

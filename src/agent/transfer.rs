@@ -380,16 +380,26 @@ pub enum Gate<K> {
 pub async fn gate<K: VolumeObject>(
     ctx: &Context,
     w: &mut ObjectWriter<K>,
+    queued: &K,
     token: &CancellationToken,
     started: Instant,
     failed: impl FnOnce(String) -> Value,
 ) -> Gate<K> {
-    let obj = match w.refresh().await {
-        Ok(o) if o.phase().is_terminal() => return Gate::Stop,
-        Ok(o) => o,
-        Err(e) => {
-            tracing::warn!(error = %e, "cannot read the object before starting");
-            return Gate::Stop;
+    let mut backoff = Backoff::new();
+    let obj = loop {
+        match w.refresh().await {
+            Ok(o) if o.phase().is_terminal() => return Gate::Stop,
+            Ok(o) => break o,
+            Err(e) if e.is_transient() => {
+                tracing::warn!(error = %e, retry_in = ?backoff.next, "cannot read the object before starting; retrying");
+                if !backoff.wait(token).await {
+                    return stopped_while_waiting(ctx, queued);
+                }
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot read the object before starting");
+                return Gate::Stop;
+            }
         }
     };
     if token.is_cancelled() || obj.cancel_requested() {
@@ -413,6 +423,90 @@ pub async fn gate<K: VolumeObject>(
         return Gate::Stop;
     }
     Gate::Start(obj)
+}
+
+/// Backoff for the API requests between a slot and the uploader's start, 0.5 s doubling to
+/// 30 s, cut short by the operation's cancel token.
+struct Backoff {
+    next: Duration,
+}
+
+impl Backoff {
+    fn new() -> Self {
+        Backoff {
+            next: Duration::from_millis(500),
+        }
+    }
+
+    /// Waits the next delay; false when the operation was stopped meanwhile.
+    async fn wait(&mut self, token: &CancellationToken) -> bool {
+        let delay = self.next;
+        self.next = (self.next * 2).min(Duration::from_secs(30));
+        tokio::select! {
+            _ = tokio::time::sleep(delay) => true,
+            _ = token.cancelled() => false,
+        }
+    }
+}
+
+/// The operation was stopped while an API request waited for its retry: canceled (written as
+/// canceled before it started, from the object as it was queued) or the agent stops (left as
+/// it is; the next start picks it up).
+fn stopped_while_waiting<K: VolumeObject>(ctx: &Context, queued: &K) -> Gate<K> {
+    let uid = queued.uid().unwrap_or_default();
+    match ctx
+        .registry
+        .cancel_reason(&uid)
+        .unwrap_or(CancelReason::Requested)
+    {
+        CancelReason::Shutdown => Gate::Stop,
+        reason => Gate::CancelBeforeStart(queued.clone(), reason),
+    }
+}
+
+/// Counts the start (the attempts annotation) and writes InProgress. Both are retried while the
+/// API server fails them for a passing reason: given up, the object would stay Accepted with
+/// nothing to start it again (the watch has no change to report). `Start(())`: written, run the
+/// uploader.
+pub async fn mark_in_progress<K: VolumeObject>(
+    ctx: &Context,
+    w: &mut ObjectWriter<K>,
+    obj: &K,
+    token: &CancellationToken,
+    status: Value,
+) -> Gate<()> {
+    let meta = json!({ "annotations": { crate::crd::ATTEMPTS_ANNOTATION: (obj.attempts() + 1).to_string() } });
+    let mut counted = false;
+    let mut backoff = Backoff::new();
+    loop {
+        let result = if counted {
+            w.write(Some(status.clone()), None).await
+        } else {
+            w.write(None, Some(meta.clone())).await
+        };
+        match result {
+            Ok(_) if counted => return Gate::Start(()),
+            Ok(_) => {
+                counted = true;
+                continue;
+            }
+            Err(WriteError::Terminal(_) | WriteError::Gone) => return Gate::Stop,
+            Err(e) if e.is_transient() => {
+                tracing::warn!(error = %e, retry_in = ?backoff.next, "cannot mark the {} InProgress; retrying", K::OPERATION);
+            }
+            Err(e) => {
+                // Refused for good (RBAC, validation): the result cannot be written either.
+                tracing::error!(error = %e, "cannot mark the {} InProgress", K::OPERATION);
+                return Gate::Stop;
+            }
+        }
+        if !backoff.wait(token).await {
+            return match stopped_while_waiting(ctx, obj) {
+                Gate::CancelBeforeStart(_, reason) => Gate::CancelBeforeStart((), reason),
+                _ => Gate::Stop,
+            };
+        }
+    }
 }
 
 /// Queues a transfer in the registry; it runs when a slot is free, the object accepted (else

@@ -517,6 +517,71 @@ async fn a_result_someone_else_wrote_mid_backup_is_not_overwritten() {
     env.cleanup().await;
 }
 
+/// A queued backup whose slot comes while the API server fails its requests (the re-read
+/// before it starts, the attempts count and InProgress answered 500) is started once they
+/// succeed: nothing else would start it again (the watch has no change to report), so giving
+/// up there left it Accepted for ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_queued_backup_whose_start_meets_api_errors_still_runs() {
+    let env = Env::new(Flavour::Velero).await;
+    let Some(server) = env.standin() else {
+        eprintln!("skipped: needs the API stand-in (fault injection)");
+        return;
+    };
+    let (agent, _) = running_backup_at(&env, "pvb-first", &["--concurrency=1"], 5000).await;
+    let (pod, dirs) = env.create_pod("queued-pod", NODE, &["data"]).await;
+    Env::fill(&dirs["data"], &[("q.bin", 1 << 20)]);
+    env.create_pvb("pvb-queued", &pod, "data", NODE).await;
+    // Read by list from here on: the faults below are for the agent's requests by name.
+    let phase_of = |name: &'static str| {
+        let api = env.pvbs();
+        async move {
+            api.list(&Default::default())
+                .await
+                .unwrap()
+                .items
+                .into_iter()
+                .find(|p| p.metadata.name.as_deref() == Some(name))
+                .and_then(|p| p.status.and_then(|s| s.phase))
+        }
+    };
+    let deadline = std::time::Instant::now() + LONG;
+    while phase_of("pvb-queued").await != Some(Phase::Accepted) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "never queued\n{}",
+            agent.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(phase_of("pvb-first").await, Some(Phase::InProgress));
+    let queued = RequestMatch::any()
+        .resource("podvolumebackups")
+        .name("pvb-queued");
+    server.fail_next(queued.clone().verb("get"), 1, 500);
+    server.fail_next(queued.clone().verb("patch"), 2, 503);
+    loop {
+        let phase = phase_of("pvb-queued").await;
+        if phase.is_some_and(|p| p.is_terminal()) {
+            assert_eq!(phase, Some(Phase::Completed), "{}", agent.logs());
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "stranded {phase:?}\n{}",
+            agent.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let failed = server
+        .request_log()
+        .iter()
+        .filter(|r| r.path.ends_with("/pvb-queued") && r.status >= 500)
+        .count();
+    assert_eq!(failed, 3, "the faults were met");
+    env.cleanup().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn conflict_storm_on_status_writes() {
     let env = Env::new(Flavour::Velero).await;
