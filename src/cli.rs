@@ -323,7 +323,10 @@ mod tests {
                 &format!("--update-interval={zero}"),
             ]);
             let e = run.expect_err(zero).to_string();
-            assert!(e.contains("--update-interval") && e.contains("more than zero"), "{e}");
+            assert!(
+                e.contains("--update-interval") && e.contains("more than zero"),
+                "{e}"
+            );
             let backup = Cli::try_parse_from([
                 "podvolume-agent",
                 "backup",
