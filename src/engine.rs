@@ -300,12 +300,19 @@ impl Engine {
                 Ok(r) => r,
                 Err(e) => return Outcome::internal(e.to_string()),
             };
+            // Canceled only if our stop reached the running restic: one that ended on its own
+            // (exit 3 with its snapshot, a failure) before that keeps its own outcome.
             let outcome = {
                 let t = lock(&tracking);
-                restic::classify(exit, &t.facts, cancel.is_cancelled(), Direction::Backup)
+                restic::classify(exit, &t.facts, stop.is_some(), Direction::Backup)
             };
             if stop.is_some() {
                 self.restic_unlock(&req.access).await;
+            }
+            // A cancel requested after restic ended on its own: nothing more is tried (no init,
+            // no unlock and retry), and the outcome is restic's own.
+            if cancel.is_cancelled() {
+                return outcome;
             }
             match outcome.kind {
                 OutcomeKind::RepositoryMissing
@@ -376,10 +383,11 @@ impl Engine {
         let mut known_total = None;
         let pid_cell = Arc::new(AtomicU32::new(0));
         if !version.has_restore_json() {
-            let stats = match self
-                .restic_capture(restic::stats(&req.access, &req.snapshot_id), cancel)
-                .await
-            {
+            let stats_inv = match restic::stats(&req.access, &req.snapshot_id) {
+                Ok(inv) => inv,
+                Err(e) => return Outcome::internal(e.to_string()),
+            };
+            let stats = match self.restic_capture(stats_inv, cancel).await {
                 Ok(c) => c,
                 Err(e) => return Outcome::internal(e.to_string()),
             };
@@ -415,16 +423,17 @@ impl Engine {
         }
         let parser = restic::ResticParser::new(Direction::Restore);
         let parse = move |_s: Stream, l: &[u8]| parser.parse(l);
-        let mut spec = self.restic_spec(
-            restic::restore(
-                &req.access,
-                version,
-                &req.snapshot_id,
-                req.limit_download_kib,
-                self.cfg.update_interval,
-            ),
-            Some(&req.target),
-        );
+        let inv = match restic::restore(
+            &req.access,
+            version,
+            &req.snapshot_id,
+            req.limit_download_kib,
+            self.cfg.update_interval,
+        ) {
+            Ok(inv) => inv,
+            Err(e) => return Outcome::internal(e.to_string()),
+        };
+        let mut spec = self.restic_spec(inv, Some(&req.target));
         spec.pid_cell = Some(Arc::clone(&pid_cell));
         let result = self.run_tracked(&spec, &parse, &tracking, cancel).await;
         if let Some(m) = measurer {
@@ -437,9 +446,12 @@ impl Engine {
         if stop.is_some() {
             self.restic_unlock(&req.access).await;
         }
-        let mut outcome = {
+        let (mut outcome, reached) = {
             let t = lock(&tracking);
-            restic::classify(exit, &t.facts, cancel.is_cancelled(), Direction::Restore)
+            (
+                restic::classify(exit, &t.facts, stop.is_some(), Direction::Restore),
+                t.tracker.progress().n_completed,
+            )
         };
         if let (true, None, Some(total)) =
             (outcome.kind.is_success(), &outcome.summary, known_total)
@@ -450,6 +462,11 @@ impl Engine {
                 bytes_added: 0,
                 files_unmodified: 0,
             });
+        }
+        // A restore summary may be bare (`{"message_type":"summary"}`, every counter omitted):
+        // what was restored is then at least what the progress reached.
+        if let (true, Some(s)) = (outcome.kind.is_success(), outcome.summary.as_mut()) {
+            s.total_bytes = s.total_bytes.max(reached);
         }
         outcome
     }
@@ -503,9 +520,10 @@ impl Engine {
         let parse = move |_s: Stream, l: &[u8]| parser.parse(l);
         let spec = self.kopia_spec(inv, cwd);
         match self.run_tracked(&spec, &parse, tracking, cancel).await {
-            Ok((exit, _stop)) => {
+            // Canceled only if our stop reached the running kopia.
+            Ok((exit, stop)) => {
                 let t = lock(tracking);
-                kopia::classify(exit, &t.facts, cancel.is_cancelled(), direction)
+                kopia::classify(exit, &t.facts, stop.is_some(), direction)
             }
             Err(e) => Outcome::internal(e.to_string()),
         }
@@ -524,6 +542,8 @@ impl Engine {
             .await;
         match connected.kind {
             OutcomeKind::Success => None,
+            // After a cancel request nothing new is started: the outcome is kopia's own.
+            _ if cancel.is_cancelled() => Some(connected),
             OutcomeKind::RepositoryMissing if self.cfg.init_missing_repository => {
                 tracing::info!("kopia repository does not exist: creating it");
                 let created = self
@@ -655,7 +675,8 @@ impl Engine {
     }
 }
 
-/// Publishes the final progress: on success both counters become the final size.
+/// Publishes the final progress: on success both counters become the final size, never less than
+/// what was already published (see [`OperationProgress::complete`]).
 fn finish(sink: &OperationSink, direction: Direction, outcome: Outcome) -> Outcome {
     // Start from the last published value so what was reached is kept on failure.
     let mut progress = sink.latest();

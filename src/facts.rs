@@ -12,6 +12,10 @@ pub const STDERR_TAIL_LINES: usize = 40;
 pub const STDERR_TAIL_LINE_BYTES: usize = 512;
 /// A `Fatal:` line is followed by a few lines of explanation (lock holder, repository location).
 const FATAL_BLOCK_LINES: usize = 8;
+/// How the Go runtime starts the report of a crash (exit 2), before a goroutine stack of any
+/// length: `panic: ...` for a panic, `fatal error: ...` for a runtime failure (out of memory,
+/// concurrent map writes).
+const GO_CRASH_PREFIXES: &[&str] = &["panic: ", "fatal error: "];
 
 /// Facts gathered from a run's events. Everything is bounded: a run that prints millions of
 /// errors costs the same memory as one that prints ten.
@@ -23,6 +27,9 @@ pub struct RunFacts {
     pub failed_items: u64,
     pub first_failed_items: Vec<FailedItem>,
     pub stderr_tail: VecDeque<String>,
+    /// The first line of a Go crash report on stderr (`panic: ...`), kept because the stack
+    /// after it pushes it out of the tail.
+    pub crash: Option<String>,
     /// restic said "signal interrupt received" (someone sent SIGINT).
     pub interrupt_seen: bool,
     pub truncated_frames: u64,
@@ -47,6 +54,12 @@ impl RunFacts {
                 }
                 if t.contains("signal interrupt received") {
                     self.interrupt_seen = true;
+                }
+                if stream == Stream::Stderr
+                    && self.crash.is_none()
+                    && GO_CRASH_PREFIXES.iter().any(|p| t.starts_with(p))
+                {
+                    self.crash = Some(truncate(t, STDERR_TAIL_LINE_BYTES));
                 }
                 if stream == Stream::Stderr {
                     self.tail(t.clone());
@@ -96,11 +109,15 @@ impl RunFacts {
         s
     }
 
-    /// The real cause for people to read: the last fatal message, else the last stderr line,
+    /// The real cause for people to read: the last fatal message, else the first line of a Go
+    /// crash report (`panic: ...`, not the last line of its stack), else the last stderr line,
     /// else `fallback`.
     pub fn cause(&self, fallback: &str) -> String {
         if !self.fatal.is_empty() {
             return self.fatal.join(" ").replace('\n', " ").trim().to_string();
+        }
+        if let Some(crash) = &self.crash {
+            return format!("{fallback}: {crash}");
         }
         match self.stderr_tail.back() {
             Some(last) => format!("{fallback}: {last}"),
@@ -148,6 +165,46 @@ mod tests {
         assert_eq!(f.first_failed_items.len(), FIRST_FAILED_ITEMS);
         assert_eq!(f.first_failed_items[0].item, "/f0");
         assert_eq!(f.stderr_tail.len(), STDERR_TAIL_LINES);
+    }
+
+    #[test]
+    fn a_go_crash_is_told_by_its_first_line_not_the_end_of_its_stack() {
+        let mut f = RunFacts::default();
+        let text = |f: &mut RunFacts, t: &str| {
+            f.observe(Stream::Stderr, &UploaderEvent::Text(t.to_string()))
+        };
+        text(
+            &mut f,
+            "panic: runtime error: index out of range [3] with length 3",
+        );
+        text(&mut f, "goroutine 1 [running]:");
+        for i in 0..198 {
+            text(
+                &mut f,
+                &format!("main.frame{i}(0x1)\t/src/main.go:{i} +0x2a"),
+            );
+        }
+        // A nested panic further down does not replace the first one.
+        text(&mut f, "\tpanic: second");
+        assert_eq!(
+            f.cause("restic failed with exit code 2"),
+            "restic failed with exit code 2: panic: runtime error: index out of range [3] with length 3"
+        );
+        // The same for the runtime's own failures.
+        let mut g = RunFacts::default();
+        text(&mut g, "fatal error: concurrent map writes");
+        text(&mut g, "goroutine 7 [running]:");
+        assert_eq!(g.cause("x"), "x: fatal error: concurrent map writes");
+        // On stdout it is no crash report.
+        let mut h = RunFacts::default();
+        h.observe(
+            Stream::Stdout,
+            &UploaderEvent::Text("panic: not really".into()),
+        );
+        assert_eq!(h.crash, None);
+        // A Fatal message still comes first.
+        f.observe(Stream::Stderr, &UploaderEvent::Fatal("disk full".into()));
+        assert_eq!(f.cause("x"), "disk full");
     }
 
     #[test]

@@ -2,7 +2,8 @@
 //! from uploader samples while keeping its invariants.
 //!
 //! Invariants kept here, whatever the uploader prints: `n_completed` never decreases and never
-//! exceeds `n_total`; on success both equal the final size the uploader reported.
+//! exceeds `n_total`; on success both equal the final size the uploader reported, or what was
+//! already reached when that is more (a restore summary may carry no counters at all).
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant, SystemTime};
@@ -45,8 +46,9 @@ impl OperationProgress {
         }
     }
 
-    /// Marks the end. On success both counters become the final size; otherwise they keep what
-    /// was reached and `err` carries the cause.
+    /// Marks the end. On success both counters become the final size, or what was already
+    /// reached if that is more (`n_completed` never goes down); otherwise they keep what was
+    /// reached and `err` carries the cause.
     pub fn complete(
         &mut self,
         success_size: Option<u64>,
@@ -55,6 +57,7 @@ impl OperationProgress {
         wall: SystemTime,
     ) {
         if let Some(size) = success_size {
+            let size = size.max(self.n_completed);
             self.n_total = size;
             self.n_completed = size;
         }
@@ -118,7 +121,12 @@ impl Stage {
 pub const RATE_WINDOW: Duration = Duration::from_secs(30);
 /// An ETA is shown only after this much history, so that it is not a wild first guess.
 const MIN_ETA_SPAN: Duration = Duration::from_secs(2);
+/// Samples kept for the rate. They are thinned to one per [`RATE_SAMPLE_SPACING`] so that the
+/// bounded buffer spans the whole [`RATE_WINDOW`] whatever the uploader's print rate (restic
+/// prints 60 lines a second: 256 raw samples would cover 4 s).
 const MAX_RATE_SAMPLES: usize = 256;
+const RATE_SAMPLE_SPACING: Duration =
+    Duration::from_nanos(RATE_WINDOW.as_nanos() as u64 / MAX_RATE_SAMPLES as u64);
 
 /// Folds uploader samples into an [`OperationProgress`].
 #[derive(Debug, Clone)]
@@ -127,7 +135,8 @@ pub struct ProgressTracker {
     progress: OperationProgress,
     stage: Stage,
     scan_finished: bool,
-    /// (when, n_completed) over the last [`RATE_WINDOW`].
+    /// (when, n_completed) over the last [`RATE_WINDOW`], at least [`RATE_SAMPLE_SPACING`] apart
+    /// except the newest, which is always the latest observation.
     samples: VecDeque<(Instant, u64)>,
     rate: Option<f64>,
     /// Since when the reported total has not changed (see [`SCAN_SETTLED`]).
@@ -215,9 +224,18 @@ impl ProgressTracker {
     }
 
     fn push_rate_sample(&mut self, now: Instant) {
-        self.samples.push_back((now, self.progress.n_completed));
+        let point = (now, self.progress.n_completed);
+        let n = self.samples.len();
+        // The newest sample is the current point: it moves forward until it is a spacing past
+        // the one before it, and then stays as history while a new current point starts.
+        if n >= 2 && now.duration_since(self.samples[n - 2].0) < RATE_SAMPLE_SPACING {
+            self.samples[n - 1] = point;
+        } else {
+            self.samples.push_back(point);
+        }
         while let Some(&(t, _)) = self.samples.front() {
-            if now.duration_since(t) > RATE_WINDOW || self.samples.len() > MAX_RATE_SAMPLES {
+            // Two more than the cap: the history spans the window, plus the current point.
+            if now.duration_since(t) > RATE_WINDOW || self.samples.len() > MAX_RATE_SAMPLES + 2 {
                 self.samples.pop_front();
             } else {
                 break;
@@ -310,8 +328,7 @@ impl ProgressTracker {
         }
     }
 
-    /// Ends the operation. On success both counters become the final size; otherwise they keep
-    /// what was reached and `err` carries the cause.
+    /// Ends the operation, as [`OperationProgress::complete`] does.
     pub fn finish(
         &mut self,
         success_size: Option<u64>,
@@ -319,15 +336,8 @@ impl ProgressTracker {
         description: String,
         wall: SystemTime,
     ) {
-        if let Some(size) = success_size {
-            self.progress.n_total = size;
-            self.progress.n_completed = size;
-        }
         self.stage = Stage::Done;
-        self.progress.completed = true;
-        self.progress.err = err.unwrap_or_default();
-        self.progress.description = description;
-        self.progress.updated = wall;
+        self.progress.complete(success_size, err, description, wall);
     }
 }
 
@@ -411,10 +421,11 @@ mod tests {
         }
         assert_eq!(last, (500, 500));
         assert_eq!(tr.stage(), Stage::Finalizing);
+        // A final size below what was already published does not take it back.
         tr.finish(Some(480), None, "done".into(), w);
         assert_eq!(
             (tr.progress().n_completed, tr.progress().n_total),
-            (480, 480)
+            (500, 500)
         );
         assert!(tr.progress().completed);
     }
@@ -450,6 +461,100 @@ mod tests {
         let d = &tr.progress().description;
         assert!(d.contains("uploading: 3.0 MiB of 10.0 MiB (30.0%)"), "{d}");
         assert!(d.contains("1.0 MiB/s") && d.contains("ETA 7s"), "{d}");
+    }
+
+    #[test]
+    fn success_never_lowers_what_was_reached() {
+        let t0 = Instant::now();
+        let w = SystemTime::now();
+        let mut tr = ProgressTracker::new(Direction::Restore, w);
+        tr.observe(&sample(1000, Some(1000), true), t0, w);
+        // A bare restore summary: every counter omitted, so the final size reads 0.
+        let mut p = tr.progress().clone();
+        p.complete(Some(0), None, "restore completed".into(), w);
+        assert_eq!((p.n_completed, p.n_total), (1000, 1000));
+        // A final size below what was published: still no step down, and done == total.
+        let mut p = tr.progress().clone();
+        p.complete(Some(900), None, "done".into(), w);
+        assert_eq!((p.n_completed, p.n_total), (1000, 1000));
+        // A larger final size is taken as it is.
+        let mut p = tr.progress().clone();
+        p.complete(Some(1200), None, "done".into(), w);
+        assert_eq!((p.n_completed, p.n_total), (1200, 1200));
+        tr.finish(Some(0), None, "restore completed".into(), w);
+        assert_eq!(
+            (tr.progress().n_completed, tr.progress().n_total),
+            (1000, 1000)
+        );
+        assert_eq!(tr.stage(), Stage::Done);
+        // A failure keeps what was reached too.
+        let mut p = OperationProgress::new(w);
+        p.n_completed = 10;
+        p.n_total = 50;
+        p.complete(None, Some("boom".into()), "boom".into(), w);
+        assert_eq!((p.n_completed, p.n_total, p.err.as_str()), (10, 50, "boom"));
+    }
+
+    #[test]
+    fn the_rate_covers_the_whole_window_at_restics_print_rate() {
+        // restic prints 60 status lines a second. 1 MiB/s for 10 s, then a stall: 20 s in,
+        // the rate over the last 30 s is 10 MiB / 20 s, not the 0 of the last few seconds.
+        let t0 = Instant::now();
+        let w = SystemTime::now();
+        let mut tr = ProgressTracker::new(Direction::Backup, w);
+        let tick = Duration::from_secs(1) / 60;
+        let mut max_len = 0;
+        for i in 0..=(20 * 60) {
+            let at = tick * i;
+            let done = (at.min(Duration::from_secs(10)).as_secs_f64() * (1 << 20) as f64) as u64;
+            tr.observe(&sample(done, Some(100 << 20), true), t0 + at, w);
+            max_len = max_len.max(tr.samples.len());
+        }
+        let rate = tr.rate().unwrap();
+        assert!(
+            (rate - (10 << 20) as f64 / 20.0).abs() < 1000.0,
+            "rate {rate} over a {:?} window",
+            tr.window_span()
+        );
+        // 40 s in, the window is the last 30 s (10 s to 40 s, all stalled).
+        for i in (20 * 60 + 1)..=(40 * 60) {
+            tr.observe(&sample(10 << 20, Some(100 << 20), true), t0 + tick * i, w);
+            max_len = max_len.max(tr.samples.len());
+        }
+        let span = tr.window_span();
+        assert!(
+            span > RATE_WINDOW - Duration::from_millis(500) && span <= RATE_WINDOW,
+            "{span:?}"
+        );
+        assert_eq!(tr.rate(), Some(0.0));
+        // The newest sample is always the latest observation.
+        assert_eq!(tr.samples.back().unwrap().0, t0 + tick * (40 * 60));
+        assert!(max_len <= MAX_RATE_SAMPLES + 2, "{max_len} samples kept");
+    }
+
+    #[test]
+    fn the_rate_follows_a_change_within_the_window() {
+        // 2 MiB/s for 60 s, then 1 MiB/s: 30 s after the change the window holds only the new rate.
+        let t0 = Instant::now();
+        let w = SystemTime::now();
+        let mut tr = ProgressTracker::new(Direction::Backup, w);
+        let tick = Duration::from_secs(1) / 60;
+        let mut done = 0u64;
+        for i in 0..=(90 * 60) {
+            let at = tick * i;
+            if i > 0 {
+                let per_tick = if at <= Duration::from_secs(60) {
+                    2 << 20
+                } else {
+                    1 << 20
+                } / 60;
+                done += per_tick;
+            }
+            tr.observe(&sample(done, Some(1 << 40), true), t0 + at, w);
+        }
+        let rate = tr.rate().unwrap();
+        let want = ((1u64 << 20) / 60 * 60) as f64;
+        assert!((rate - want).abs() / want < 0.01, "{rate} vs {want}");
     }
 
     #[test]

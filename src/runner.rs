@@ -85,7 +85,8 @@ pub enum StopKind {
 #[derive(Debug, Clone)]
 pub struct ChildExit {
     pub exit: ExitInfo,
-    /// Set when the cancel token fired while the child was running.
+    /// Set when the cancel token fired while the child was running, i.e. we sent it SIGINT. A
+    /// cancel requested after the child had exited on its own leaves this `None`.
     pub stop: Option<StopKind>,
     pub truncated_frames: u64,
     pub pid: u32,
@@ -255,10 +256,21 @@ pub async fn run(
                 linger_until = Some(Instant::now() + PIPE_LINGER);
             }
             _ = cancel.cancelled(), if stop.is_none() && status.is_none() => {
-                tracing::info!(pid, "stopping uploader: SIGINT to its process group");
-                signal_group(pgid, Signal::SIGINT);
-                stop = Some(StopKind::Graceful);
-                kill_at = Some(Instant::now() + grace);
+                // The uploader may have exited on its own a moment ago without `wait` having
+                // reported it yet: then there is nothing to stop, and its own outcome stands.
+                match child.try_wait() {
+                    Ok(Some(s)) => {
+                        tracing::info!(pid, "cancel requested after the uploader had already exited");
+                        status = Some(s);
+                        linger_until = Some(Instant::now() + PIPE_LINGER);
+                    }
+                    _ => {
+                        tracing::info!(pid, "stopping uploader: SIGINT to its process group");
+                        signal_group(pgid, Signal::SIGINT);
+                        stop = Some(StopKind::Graceful);
+                        kill_at = Some(Instant::now() + grace);
+                    }
+                }
             }
             _ = tokio::time::sleep_until(kill_deadline), if kill_at.is_some() && status.is_none() => {
                 tracing::warn!(pid, grace = ?grace, "uploader still running after the grace period: SIGKILL");
@@ -333,8 +345,48 @@ pub struct Captured {
     pub exit: ExitInfo,
     /// stdout records joined with `\n`, up to a cap.
     pub stdout: Vec<u8>,
-    /// stderr lines (ANSI stripped), up to a cap.
+    /// The last stderr lines (ANSI stripped), up to [`CAPTURED_STDERR_BYTES`] in all: the end is
+    /// kept because that is where restic prints its `Fatal:` line, after any retries.
     pub stderr: Vec<String>,
+}
+
+/// How much of a captured command's stderr is kept (its last lines).
+pub const CAPTURED_STDERR_BYTES: usize = 64 * 1024;
+/// The longest stderr line kept by [`capture`]; longer ones are cut.
+const CAPTURED_STDERR_LINE_BYTES: usize = 4 * 1024;
+
+/// The last lines of a stream, at most `cap` bytes in all.
+#[derive(Debug)]
+struct LineTail {
+    lines: std::collections::VecDeque<String>,
+    bytes: usize,
+    cap: usize,
+}
+
+impl LineTail {
+    fn new(cap: usize) -> Self {
+        Self {
+            lines: std::collections::VecDeque::new(),
+            bytes: 0,
+            cap,
+        }
+    }
+
+    fn push(&mut self, line: String) {
+        let line = crate::text::truncate(&line, CAPTURED_STDERR_LINE_BYTES.min(self.cap));
+        self.bytes += line.len();
+        self.lines.push_back(line);
+        while self.bytes > self.cap {
+            match self.lines.pop_front() {
+                Some(old) => self.bytes -= old.len(),
+                None => break,
+            }
+        }
+    }
+
+    fn into_vec(self) -> Vec<String> {
+        self.lines.into()
+    }
 }
 
 /// Runs a short command and keeps (bounded) output. Cancelable like [`run`].
@@ -345,8 +397,7 @@ pub async fn capture(
 ) -> Result<Captured> {
     const CAP: usize = 4 << 20;
     let mut stdout = Vec::new();
-    let mut stderr = Vec::new();
-    let mut stderr_bytes = 0usize;
+    let mut stderr = LineTail::new(CAPTURED_STDERR_BYTES);
     let exit = run(spec, cancel, grace, &mut |stream, frame| {
         if let Frame::Line(l) = frame {
             match stream {
@@ -356,11 +407,8 @@ pub async fn capture(
                     }
                     stdout.extend_from_slice(l);
                 }
-                Stream::Stderr if stderr_bytes + l.len() < 64 * 1024 => {
-                    stderr_bytes += l.len();
-                    stderr.push(crate::text::clean_line(l));
-                }
-                _ => {}
+                Stream::Stdout => {}
+                Stream::Stderr => stderr.push(crate::text::clean_line(l)),
             }
         }
     })
@@ -368,7 +416,7 @@ pub async fn capture(
     Ok(Captured {
         exit: exit.exit,
         stdout,
-        stderr,
+        stderr: stderr.into_vec(),
     })
 }
 
@@ -388,6 +436,100 @@ mod tests {
     fn running(child: &mut std::process::Child) -> bool {
         // Reaping is our job here (we are the parent): a zombie counts as gone.
         child.try_wait().unwrap().is_none()
+    }
+
+    fn script(dir: &std::path::Path, body: &str) -> PathBuf {
+        use std::os::unix::fs::PermissionsExt;
+        let path = dir.join("fake-uploader");
+        std::fs::write(&path, format!("#!/bin/sh\n{body}\n")).unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+        path
+    }
+
+    #[tokio::test]
+    async fn capture_keeps_the_fatal_line_printed_after_many_retry_lines() {
+        let dir = tempfile::tempdir().unwrap();
+        // 1000 numbered lines of 200 bytes (199 + newline): 200 KB of retries, then the cause.
+        let prog = script(
+            dir.path(),
+            r#"i=0
+while [ $i -lt 1000 ]; do
+  printf 'Save(<data/%04d>) returned error, retrying after 1s: %0146d\n' $i 0 >&2
+  i=$((i+1))
+done
+echo 'Fatal: wrong password or no key found' >&2
+exit 1"#,
+        );
+        let c = capture(
+            &ChildSpec::new(&prog, Vec::new()),
+            &CancellationToken::new(),
+            Duration::from_secs(5),
+        )
+        .await
+        .unwrap();
+        assert_eq!(c.exit.code, Some(1));
+        assert_eq!(
+            c.stderr.last().map(String::as_str),
+            Some("Fatal: wrong password or no key found")
+        );
+        // What is kept is the end: the retry line just before the cause, not the first ones.
+        let n = c.stderr.len();
+        assert!(n > 100 && n < 1000, "{n} lines kept");
+        assert_eq!(c.stderr[n - 2].len(), 199);
+        assert!(
+            c.stderr[n - 2].starts_with("Save(<data/0999>)"),
+            "{:?}",
+            c.stderr[n - 2]
+        );
+        assert!(
+            c.stderr[0].starts_with(&format!("Save(<data/{:04}>)", 1001 - n)),
+            "{:?}",
+            c.stderr[0]
+        );
+        let kept: usize = c.stderr.iter().map(String::len).sum();
+        assert!(kept <= CAPTURED_STDERR_BYTES, "{kept} bytes kept");
+    }
+
+    #[tokio::test]
+    async fn a_cancel_after_the_child_exited_on_its_own_is_no_stop() {
+        let dir = tempfile::tempdir().unwrap();
+        let marker = dir.path().join("exited");
+        // Exits 3 at once; a background subshell notes when the leader is gone (reaped), then
+        // keeps the pipes open for a second.
+        let prog = script(
+            dir.path(),
+            &format!(
+                "(while kill -0 $$ 2>/dev/null; do sleep 0.01; done; touch '{}'; sleep 1) &\nexit 3",
+                marker.display()
+            ),
+        );
+        let cancel = CancellationToken::new();
+        let canceller = {
+            let cancel = cancel.clone();
+            let marker = marker.clone();
+            tokio::spawn(async move {
+                while !marker.exists() {
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                cancel.cancel();
+            })
+        };
+        let exit = run(
+            &ChildSpec::new(&prog, Vec::new()),
+            &cancel,
+            Duration::from_secs(5),
+            &mut |_, _| {},
+        )
+        .await
+        .unwrap();
+        canceller.await.unwrap();
+        assert!(cancel.is_cancelled());
+        assert_eq!(exit.exit.code, Some(3));
+        assert_eq!(
+            exit.stop, None,
+            "no stop was sent to a child that had exited"
+        );
     }
 
     #[tokio::test]

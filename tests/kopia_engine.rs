@@ -622,3 +622,134 @@ async fn restored_size_excludes_what_the_target_already_held() {
     assert_eq!((last.n_completed, last.n_total), (total, total), "{last:?}");
     assert_nothing_left(&bed);
 }
+
+/// A one-off stand-in for kopia (not the shared double): `repository connect` succeeds, every
+/// other command runs `body` (sh code; `$MARK` is a path the test can wait for). Each call is
+/// appended to `calls.log` in the bed.
+fn scripted_kopia(bed: &Bed, body: &str) -> PathBuf {
+    scripted_kopia_connecting(bed, "exit 0", body)
+}
+
+/// [`scripted_kopia`] with `connect` (sh code) run for `repository connect`.
+fn scripted_kopia_connecting(bed: &Bed, connect: &str, body: &str) -> PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    let path = bed.path().join("scripted-kopia");
+    std::fs::write(
+        &path,
+        format!(
+            "#!/bin/sh\nMARK='{}'\necho \"$*\" >> '{}'\nif [ \"$1 $2\" = 'repository connect' ]; then\n{connect}\nfi\n{body}\n",
+            bed.path().join("uploader-exited").display(),
+            bed.path().join("calls.log").display(),
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+    path
+}
+
+fn scripted_engine(kopia: PathBuf) -> Arc<Engine> {
+    Engine::new(EngineConfig {
+        kopia_binary: kopia,
+        restic_binary: "/nonexistent/restic".into(),
+        update_interval: Duration::from_millis(100),
+        cancel_grace: Duration::from_secs(5),
+        lock_wait: Duration::ZERO,
+        ..EngineConfig::default()
+    })
+}
+
+/// A cancel that arrives after kopia ended on its own (snapshot saved with unreadable entries,
+/// exit 1) stops nothing: the outcome is kopia's, partial with the snapshot.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancel_after_kopia_ended_on_its_own_keeps_its_outcome() {
+    let bed = Bed::new();
+    fill_source(&bed);
+    let kopia = scripted_kopia(
+        &bed,
+        r#"if [ "$1 $2" = 'snapshot create' ]; then
+echo 'Error when processing "dir1/b.dat": open dir1/b.dat: permission denied' >&2
+echo '{"id":"0123456789abcdef0123456789abcdef","rootEntry":{"summ":{"size":100,"files":2,"numFailed":1,"errors":[{"path":"dir1/b.dat","error":"permission denied"}]}}}'
+echo 'Found 1 fatal error(s) while snapshotting source.' >&2
+(while kill -0 $$ 2>/dev/null; do sleep 0.01; done; touch "$MARK"; sleep 1) &
+exit 1
+fi
+exit 1"#,
+    );
+    let op = scripted_engine(kopia).backup(backup_req(&bed, bed.access()));
+    tokio::time::timeout(TIMEOUT, async {
+        while !bed.path().join("uploader-exited").exists() {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await
+    .expect("the scripted kopia exits");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(!op.is_finished(), "ended before its pipes closed");
+    let outcome = op.cancel().await;
+    assert_eq!(outcome.kind, OutcomeKind::Partial, "{outcome:?}");
+    assert_eq!(
+        outcome.snapshot_id.as_deref(),
+        Some("0123456789abcdef0123456789abcdef")
+    );
+    assert_ne!(op.progress().err, "canceled");
+}
+
+/// A snapshot ID from an API object goes to kopia as a positional argument: one that is not a
+/// kopia ID (a flag above all) is refused before kopia sees it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restore_of_a_snapshot_id_that_is_not_one_is_refused() {
+    let bed = Bed::new();
+    let target = bed.path().join("restored");
+    std::fs::create_dir(&target).unwrap();
+    let kopia = scripted_kopia(&bed, "exit 0");
+    for id in ["--overwrite-files", "-h", "", "k1/../../etc"] {
+        let outcome = scripted_engine(kopia.clone())
+            .restore(restore_req(bed.access(), id, &target))
+            .wait()
+            .await;
+        assert_eq!(outcome.kind, OutcomeKind::Failed, "{id:?}: {outcome:?}");
+        assert!(
+            outcome.message.contains("invalid kopia snapshot ID")
+                && outcome.message.contains(&format!("{id:?}")),
+            "{id:?}: {}",
+            outcome.message
+        );
+    }
+    let calls = std::fs::read_to_string(bed.path().join("calls.log")).unwrap();
+    assert!(
+        calls.lines().all(|l| l.starts_with("repository connect")),
+        "kopia ran with a bad ID: {calls}"
+    );
+}
+
+/// A cancel that arrives after `repository connect` found no repository creates none and
+/// reports what kopia said.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancel_after_kopia_found_no_repository_creates_none() {
+    let bed = Bed::new();
+    fill_source(&bed);
+    let kopia = scripted_kopia_connecting(
+        &bed,
+        r#"echo 'error connecting to repository: repository not initialized in the provided storage' >&2
+(while kill -0 $$ 2>/dev/null; do sleep 0.01; done; touch "$MARK"; sleep 1) &
+exit 1"#,
+        "exit 0",
+    );
+    let op = scripted_engine(kopia).backup(backup_req(&bed, bed.access()));
+    tokio::time::timeout(TIMEOUT, async {
+        while !bed.path().join("uploader-exited").exists() {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await
+    .expect("the scripted kopia exits");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(!op.is_finished(), "ended before its pipes closed");
+    let outcome = op.cancel().await;
+    assert_eq!(outcome.kind, OutcomeKind::RepositoryMissing, "{outcome:?}");
+    let calls = std::fs::read_to_string(bed.path().join("calls.log")).unwrap();
+    assert!(
+        calls.lines().all(|l| !l.starts_with("repository create")),
+        "the repository was created after the cancel: {calls}"
+    );
+}

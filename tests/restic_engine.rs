@@ -570,3 +570,276 @@ async fn upgrade_014_to_018_in_one_repository_keeps_parents_and_restores() {
     assert_same_tree(&bed.source, &target_back);
     assert!(bed.locks().is_empty());
 }
+
+/// A stand-in for restic: a shell script that answers `version` with `version_line` and runs
+/// `body` (sh code; `$cmd` is the subcommand, `$MARK` a path the test can wait for) for every
+/// other command. Every call is appended to `calls.log` in the bed.
+fn fake_restic(bed: &Bed, version_line: &str, body: &str) -> std::path::PathBuf {
+    let path = bed.path().join("fake-restic");
+    std::fs::write(
+        &path,
+        format!(
+            r#"#!/bin/sh
+MARK='{mark}'
+cmd=
+for a in "$@"; do
+  case "$a" in version|backup|restore|stats|unlock|init|snapshots) cmd=$a; break;; esac
+done
+echo "$cmd $*" >> '{log}'
+if [ "$cmd" = version ]; then echo '{version_line}'; exit 0; fi
+{body}
+"#,
+            mark = fake_mark(bed).display(),
+            log = fake_calls_log(bed).display(),
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+    path
+}
+
+fn fake_mark(bed: &Bed) -> std::path::PathBuf {
+    bed.path().join("uploader-exited")
+}
+
+fn fake_calls_log(bed: &Bed) -> std::path::PathBuf {
+    bed.path().join("calls.log")
+}
+
+/// sh code that ends the fake's run with `code` while a background subshell keeps its pipes open
+/// for a second: once the fake itself is gone (reaped by the agent), the subshell creates `$MARK`.
+fn exit_while_pipes_linger(code: i32) -> String {
+    format!(
+        "(while kill -0 $$ 2>/dev/null; do sleep 0.01; done; touch \"$MARK\"; sleep 1) &\nexit {code}"
+    )
+}
+
+fn fake_engine(binary: std::path::PathBuf) -> std::sync::Arc<podvolume_agent::engine::Engine> {
+    podvolume_agent::engine::Engine::new(EngineConfig {
+        restic_binary: binary,
+        update_interval: Duration::from_millis(100),
+        cancel_grace: Duration::from_secs(5),
+        lock_wait: Duration::ZERO,
+        ..engine_config()
+    })
+}
+
+/// Requests a cancel once the uploader has exited on its own (and a little later), while its
+/// pipes are still open; returns the outcome `cancel` gives.
+async fn cancel_after_the_uploader_exited(
+    op: &Operation,
+    bed: &Bed,
+) -> std::sync::Arc<podvolume_agent::uploader::Outcome> {
+    tokio::time::timeout(TIMEOUT, async {
+        while !fake_mark(bed).exists() {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await
+    .expect("the fake restic exits");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(
+        !op.is_finished(),
+        "the run ended before the pipes closed: the cancel would come too late to test anything"
+    );
+    op.cancel().await
+}
+
+/// A cancel that arrives after restic exited 3 on its own (snapshot saved, some files
+/// unreadable) stops nothing: the outcome is restic's, partial with the snapshot.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancel_after_restic_exited_3_keeps_the_partial_snapshot() {
+    let bed = Bed::new();
+    let fake = fake_restic(
+        &bed,
+        "restic 0.14.0 compiled with go1.19.8 on linux/amd64",
+        &format!(
+            r#"if [ "$cmd" = backup ]; then
+echo '{{"message_type":"status","percent_done":1,"total_files":2,"files_done":2,"total_bytes":100,"bytes_done":100}}'
+echo '{{"message_type":"error","error":{{"Op":"open","Path":"/v/secret","Err":13}},"during":"archival","item":"/v/secret"}}' >&2
+echo '{{"message_type":"summary","files_new":1,"total_files_processed":1,"total_bytes_processed":100,"data_added":100,"snapshot_id":"0123abcd"}}'
+echo 'Warning: at least one source file could not be read' >&2
+{}
+fi
+exit 1"#,
+            exit_while_pipes_linger(3)
+        ),
+    );
+    let op = fake_engine(fake).backup(backup_request(&bed));
+    let outcome = cancel_after_the_uploader_exited(&op, &bed).await;
+    assert_eq!(outcome.kind, OutcomeKind::Partial, "{outcome:?}");
+    assert_eq!(outcome.exit_code, Some(3));
+    assert_eq!(outcome.snapshot_id.as_deref(), Some("0123abcd"));
+    assert_eq!(outcome.failed_items, 1, "{outcome:?}");
+    let p = op.progress();
+    assert!(p.completed, "{p:?}");
+    assert_ne!(p.err, "canceled", "{p:?}");
+    assert_eq!((p.n_completed, p.n_total), (100, 100));
+    // Nothing was stopped, so there is no stale lock to remove.
+    let calls = std::fs::read_to_string(fake_calls_log(&bed)).unwrap();
+    assert!(!calls.contains("unlock"), "{calls}");
+}
+
+/// A cancel that arrives after a restore failed on its own keeps the real cause.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancel_after_a_restore_failed_on_its_own_keeps_the_cause() {
+    let bed = Bed::new();
+    let target = bed.path().join("restored");
+    std::fs::create_dir(&target).unwrap();
+    let fake = fake_restic(
+        &bed,
+        "restic 0.16.0 compiled with go1.21.1 on linux/amd64",
+        &format!(
+            r#"if [ "$cmd" = restore ]; then
+echo '{{"message_type":"status","percent_done":0.1,"total_files":3,"total_bytes":1000,"bytes_restored":100}}'
+echo 'Fatal: failed to load snapshot 0123abcd: ciphertext verification failed' >&2
+{}
+fi
+exit 1"#,
+            exit_while_pipes_linger(1)
+        ),
+    );
+    let op = fake_engine(fake).restore(restore_request(&bed, "0123abcd", &target));
+    let outcome = cancel_after_the_uploader_exited(&op, &bed).await;
+    assert_eq!(outcome.kind, OutcomeKind::Failed, "{outcome:?}");
+    assert!(
+        outcome.message.contains("ciphertext verification failed"),
+        "{}",
+        outcome.message
+    );
+    let p = op.progress();
+    assert!(p.err.contains("ciphertext verification failed"), "{p:?}");
+}
+
+/// restic >= 0.16 may end a restore with a bare `{"message_type":"summary"}`: the final progress
+/// keeps what was reached instead of falling to the summary's zero.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bare_restore_summary_never_lowers_the_final_progress() {
+    let bed = Bed::new();
+    let target = bed.path().join("restored");
+    std::fs::create_dir(&target).unwrap();
+    let fake = fake_restic(
+        &bed,
+        "restic 0.16.0 compiled with go1.21.1 on linux/amd64",
+        r#"if [ "$cmd" = restore ]; then
+echo '{"message_type":"status","percent_done":0.5,"total_files":2,"files_restored":1,"total_bytes":1000,"bytes_restored":500}'
+echo '{"message_type":"status","percent_done":1,"total_files":2,"files_restored":2,"total_bytes":1000,"bytes_restored":1000}'
+echo '{"message_type":"summary"}'
+exit 0
+fi
+exit 1"#,
+    );
+    let op = fake_engine(fake).restore(restore_request(&bed, "0123abcd", &target));
+    let seen = watch_to_end(&op).await;
+    let outcome = op.wait().await;
+    assert_eq!(outcome.kind, OutcomeKind::Success, "{outcome:?}");
+    assert_progress_invariants(&seen);
+    let last = seen.last().unwrap();
+    assert!(last.completed && last.err.is_empty(), "{last:?}");
+    assert_eq!((last.n_completed, last.n_total), (1000, 1000), "{seen:#?}");
+    assert_eq!(outcome.summary.as_ref().map(|s| s.total_bytes), Some(1000));
+}
+
+/// restic 0.14 restores start with `restic stats`; its `Fatal:` comes after a long run of retry
+/// lines and must still decide the outcome.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fatal_line_after_many_retry_lines_decides_the_outcome() {
+    let bed = Bed::new();
+    let target = bed.path().join("restored");
+    std::fs::create_dir(&target).unwrap();
+    let fake = fake_restic(
+        &bed,
+        "restic 0.14.0 compiled with go1.19.8 on linux/amd64",
+        r#"if [ "$cmd" = stats ]; then
+line=$(printf 'Load(<key/0123456789>) returned error, retrying after 1s: %0152d' 0)
+i=0
+while [ $i -lt 1000 ]; do echo "$line" >&2; i=$((i+1)); done
+echo 'Fatal: wrong password or no key found' >&2
+fi
+exit 1"#,
+    );
+    let outcome = fake_engine(fake)
+        .restore(restore_request(&bed, "0123abcd", &target))
+        .wait()
+        .await;
+    assert_eq!(outcome.kind, OutcomeKind::WrongPassword, "{outcome:?}");
+    assert!(
+        outcome.message.contains("wrong password or no key found"),
+        "{}",
+        outcome.message
+    );
+}
+
+/// A snapshot ID from an API object goes to restic as a positional argument: one that is not a
+/// restic ID (a flag above all) is refused before restic sees it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restore_of_a_snapshot_id_that_is_not_one_is_refused() {
+    for version in ["0.14.0", "0.16.0"] {
+        let bed = Bed::new();
+        let target = bed.path().join("restored");
+        std::fs::create_dir(&target).unwrap();
+        let fake = fake_restic(
+            &bed,
+            &format!("restic {version} compiled with go1.21.1 on linux/amd64"),
+            "exit 0",
+        );
+        for id in [
+            "--target=/etc",
+            "-h",
+            "",
+            "0123abcd\nFatal: forged",
+            "latest!",
+        ] {
+            let outcome = fake_engine(fake.clone())
+                .restore(restore_request(&bed, id, &target))
+                .wait()
+                .await;
+            assert_eq!(
+                outcome.kind,
+                OutcomeKind::Failed,
+                "{version} {id:?}: {outcome:?}"
+            );
+            assert!(
+                outcome.message.contains("invalid restic snapshot ID")
+                    && outcome.message.contains(&format!("{id:?}")),
+                "{version} {id:?}: {}",
+                outcome.message
+            );
+        }
+        let calls = std::fs::read_to_string(fake_calls_log(&bed)).unwrap();
+        assert!(
+            calls.lines().all(|l| l.starts_with("version ")),
+            "restic ran with a bad ID ({version}): {calls}"
+        );
+    }
+}
+
+/// A cancel that arrives after restic found no repository stops everything that would follow
+/// (no `restic init`, no retry) and reports what restic said.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancel_after_restic_found_no_repository_initialises_nothing() {
+    let bed = Bed::new();
+    let fake = fake_restic(
+        &bed,
+        "restic 0.14.0 compiled with go1.19.8 on linux/amd64",
+        &format!(
+            r#"if [ "$cmd" = backup ]; then
+echo 'Fatal: unable to open config file: Stat: stat /nowhere/config: no such file or directory' >&2
+echo 'Is there a repository at the following location?' >&2
+echo '/nowhere' >&2
+{}
+fi
+exit 0"#,
+            exit_while_pipes_linger(1)
+        ),
+    );
+    let op = fake_engine(fake).backup(backup_request(&bed));
+    let outcome = cancel_after_the_uploader_exited(&op, &bed).await;
+    assert_eq!(outcome.kind, OutcomeKind::RepositoryMissing, "{outcome:?}");
+    assert!(outcome.message.contains("/nowhere"), "{}", outcome.message);
+    let calls = std::fs::read_to_string(fake_calls_log(&bed)).unwrap();
+    assert!(
+        calls.lines().all(|l| !l.starts_with("init ")),
+        "init ran after the cancel: {calls}"
+    );
+}

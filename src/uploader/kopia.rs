@@ -195,13 +195,35 @@ pub fn snapshot_create(access: &RepositoryAccess, source: &Path) -> Result<Kopia
         .arg(source.as_os_str()))
 }
 
+/// The longest snapshot ID accepted for a restore: kopia's manifest IDs are 32 hex digits and its
+/// object IDs (`k<hash>`, `Ix<hash>`) a few characters more than their hash; this leaves room.
+pub const MAX_SNAPSHOT_ID_LEN: usize = 128;
+
+/// Checks a snapshot ID that goes to kopia as a positional argument: 1 to 128 ASCII letters and
+/// digits (manifest and object IDs are that). Anything else, a value starting with `-` above all
+/// (kopia would read it as a flag), is refused with the value shown escaped and cut short.
+pub fn check_snapshot_id(id: &str) -> Result<(), Error> {
+    if !id.is_empty()
+        && id.len() <= MAX_SNAPSHOT_ID_LEN
+        && id.bytes().all(|b| b.is_ascii_alphanumeric())
+    {
+        return Ok(());
+    }
+    Err(Error::Invalid(format!(
+        "invalid kopia snapshot ID {}: expected 1 to {MAX_SNAPSHOT_ID_LEN} letters and digits",
+        super::show_id(id)
+    )))
+}
+
 /// `kopia snapshot restore --progress <id> <target>`. restore has no `--json`: progress and the
-/// final `Restored ...` line are text on stderr.
+/// final `Restored ...` line are text on stderr. Fails when `snapshot_id` is not a kopia ID (see
+/// [`check_snapshot_id`]).
 pub fn snapshot_restore(
     access: &RepositoryAccess,
     snapshot_id: &str,
     target: &Path,
 ) -> Result<KopiaInvocation, Error> {
+    check_snapshot_id(snapshot_id)?;
     Ok(base(access)?
         .arg("snapshot")
         .arg("restore")
@@ -616,13 +638,10 @@ const REPOSITORY_MISSING: &[&str] = &[
 ];
 const SOURCE_MISSING: &[&str] = &["unable to get local filesystem entry"];
 
-/// Classifies how a kopia run ended. `cancel_requested`: we asked it to stop.
-pub fn classify(
-    exit: ExitInfo,
-    facts: &RunFacts,
-    cancel_requested: bool,
-    direction: Direction,
-) -> Outcome {
+/// Classifies how a kopia run ended. `stopped`: we sent the stop signal to the running child
+/// (the runner's `stop`), not merely that a cancel was requested: a run that ended on its own
+/// before our stop reached it keeps its own outcome.
+pub fn classify(exit: ExitInfo, facts: &RunFacts, stopped: bool, direction: Direction) -> Outcome {
     let text = facts.error_text();
     let has = |needles: &[&str]| needles.iter().any(|n| text.contains(n));
     let summary = facts.summary.as_ref();
@@ -636,7 +655,7 @@ pub fn classify(
     let kind = match (exit.code, exit.signal) {
         // A manifest marked incomplete is never a complete backup, whatever the exit code.
         _ if backup && incomplete.is_some() => {
-            if cancel_requested {
+            if stopped {
                 OutcomeKind::Canceled
             } else if incomplete == Some("canceled") {
                 OutcomeKind::Interrupted
@@ -647,7 +666,7 @@ pub fn classify(
         (Some(0), _) if backup && summary.is_none() => OutcomeKind::Failed,
         (Some(0), _) if backup && manifest_failed => OutcomeKind::Partial,
         (Some(0), _) => OutcomeKind::Success,
-        _ if cancel_requested => OutcomeKind::Canceled,
+        _ if stopped => OutcomeKind::Canceled,
         (None, Some(sig)) => OutcomeKind::KilledBySignal { signal: sig },
         // Saved, but some entries could not be read (`Found N fatal error(s)`, exit 1).
         _ if backup && manifest_failed => OutcomeKind::Partial,
@@ -893,6 +912,44 @@ mod tests {
             args(&snapshot_restore(&acc, "k123", Path::new("/target")).unwrap()),
             ["snapshot", "restore", "--progress", "k123", "/target"]
         );
+    }
+
+    #[test]
+    fn restore_refuses_snapshot_ids_that_are_not_kopia_ids() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = access(dir.path(), "pw");
+        for good in [
+            "a1b2c3",
+            "0123456789abcdef0123456789abcdef",
+            "k0123456789abcdef",
+        ] {
+            let inv = snapshot_restore(&a, good, Path::new("/t")).unwrap();
+            assert!(args(&inv).contains(&good.to_string()), "{good}");
+        }
+        let long = "a".repeat(MAX_SNAPSHOT_ID_LEN + 1);
+        for bad in [
+            "-h",
+            "--overwrite-files",
+            "",
+            "abc def",
+            "k1/sub/dir",
+            "a1\nERROR forged",
+            long.as_str(),
+        ] {
+            let err = snapshot_restore(&a, bad, Path::new("/t"))
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.starts_with("invalid kopia snapshot ID \""),
+                "{bad:?}: {err}"
+            );
+            assert!(!err.contains('\n'), "the ID is shown escaped: {err}");
+            assert!(err.len() < 200, "the ID is shown cut short: {err}");
+        }
+        let err = snapshot_restore(&a, "--overwrite-files", Path::new("/t"))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("\"--overwrite-files\""), "{err}");
     }
 
     #[test]

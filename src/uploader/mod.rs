@@ -264,6 +264,12 @@ pub struct RepositoryAccess {
     pub insecure_tls: bool,
 }
 
+/// A snapshot ID from outside (an API object) as error messages show it: cut to a few dozen
+/// characters and quoted with control characters escaped, so a hostile value cannot forge lines.
+pub(crate) fn show_id(id: &str) -> String {
+    format!("{:?}", crate::text::truncate(id, 72))
+}
+
 impl Outcome {
     /// An outcome that did not come from the uploader (the agent itself failed).
     pub fn internal(message: impl Into<String>) -> Self {

@@ -16,6 +16,7 @@ use super::{
     Direction, ExitInfo, FailedItem, Outcome, OutcomeKind, ProgressSample, RepositoryAccess,
     RunSummary, RunSummaryView, UploaderEvent,
 };
+use crate::error::Error;
 use crate::facts::RunFacts;
 use crate::text::clean_line;
 
@@ -189,15 +190,36 @@ pub fn backup(
     inv.arg(".")
 }
 
+/// The longest snapshot ID restic has (0.15 and later print 64 hex digits; 0.14 prints 8).
+pub const MAX_SNAPSHOT_ID_LEN: usize = 64;
+
+/// Checks a snapshot ID that goes to restic as a positional argument: 1 to 64 hexadecimal digits
+/// (a full ID or a prefix of one). Anything else, a value starting with `-` above all (restic would
+/// read it as a flag), is refused with the value shown escaped and cut short.
+pub fn check_snapshot_id(id: &str) -> Result<(), Error> {
+    if !id.is_empty()
+        && id.len() <= MAX_SNAPSHOT_ID_LEN
+        && id.bytes().all(|b| b.is_ascii_hexdigit())
+    {
+        return Ok(());
+    }
+    Err(Error::Invalid(format!(
+        "invalid restic snapshot ID {}: expected 1 to {MAX_SNAPSHOT_ID_LEN} hexadecimal characters",
+        super::show_id(id)
+    )))
+}
+
 /// `restic restore <id> --target .`, run inside the target directory. `--json` only where restic
 /// prints progress for restores (>= 0.16); earlier versions are measured from the target's size.
+/// Fails when `snapshot_id` is not a restic snapshot ID (see [`check_snapshot_id`]).
 pub fn restore(
     access: &RepositoryAccess,
     version: ResticVersion,
     snapshot_id: &str,
     limit_download_kib: Option<u64>,
     update_interval: Duration,
-) -> ResticInvocation {
+) -> Result<ResticInvocation, Error> {
+    check_snapshot_id(snapshot_id)?;
     let mut inv = base(access, Some(update_interval))
         .arg("restore")
         .arg(snapshot_id)
@@ -208,15 +230,17 @@ pub fn restore(
     if version.has_restore_json() {
         inv = inv.arg("--json");
     }
-    inv
+    Ok(inv)
 }
 
 /// `restic stats <id> --json`: the restore size of a snapshot, for restore totals on 0.14/0.15.
-pub fn stats(access: &RepositoryAccess, snapshot_id: &str) -> ResticInvocation {
-    base(access, None)
+/// Fails when `snapshot_id` is not a restic snapshot ID (see [`check_snapshot_id`]).
+pub fn stats(access: &RepositoryAccess, snapshot_id: &str) -> Result<ResticInvocation, Error> {
+    check_snapshot_id(snapshot_id)?;
+    Ok(base(access, None)
         .arg("stats")
         .arg(snapshot_id)
-        .arg("--json")
+        .arg("--json"))
 }
 
 pub fn init(access: &RepositoryAccess) -> ResticInvocation {
@@ -419,9 +443,9 @@ impl ResticParser {
                         scan_finished: s.seconds_remaining.is_some(),
                     }),
                     Direction::Restore => UploaderEvent::Progress(ProgressSample {
-                        bytes_done: s.bytes_restored + s.bytes_skipped,
+                        bytes_done: s.bytes_restored.saturating_add(s.bytes_skipped),
                         total_bytes: s.total_bytes,
-                        files_done: s.files_restored + s.files_skipped,
+                        files_done: s.files_restored.saturating_add(s.files_skipped),
                         total_files: Some(s.total_files),
                         scan_finished: true,
                     }),
@@ -450,8 +474,12 @@ impl ResticParser {
                 },
                 Direction::Restore => RunSummary {
                     snapshot_id: None,
-                    total_bytes: s.total_bytes.max(s.bytes_restored + s.bytes_skipped),
-                    total_files: s.total_files.max(s.files_restored + s.files_skipped),
+                    total_bytes: s
+                        .total_bytes
+                        .max(s.bytes_restored.saturating_add(s.bytes_skipped)),
+                    total_files: s
+                        .total_files
+                        .max(s.files_restored.saturating_add(s.files_skipped)),
                     ..RunSummary::default()
                 },
             }),
@@ -551,19 +579,16 @@ const EMPTY_SOURCE: &[&str] = &["snapshot is empty"];
 /// What Velero reports for a volume with nothing in it; kept word for word for compatibility.
 pub const EMPTY_VOLUME_MESSAGE: &str = "volume was empty so no snapshot was taken";
 
-/// Classifies how a restic run ended. `cancel_requested`: we asked it to stop.
-pub fn classify(
-    exit: ExitInfo,
-    facts: &RunFacts,
-    cancel_requested: bool,
-    mode: Direction,
-) -> Outcome {
+/// Classifies how a restic run ended. `stopped`: we sent the stop signal to the running child
+/// (the runner's `stop`), not merely that a cancel was requested: a run that ended on its own
+/// before our stop reached it keeps its own outcome (exit 3 stays partial with its snapshot).
+pub fn classify(exit: ExitInfo, facts: &RunFacts, stopped: bool, mode: Direction) -> Outcome {
     let text = facts.error_text();
     let has = |needles: &[&str]| needles.iter().any(|n| text.contains(n));
     let kind = match (exit.code, exit.signal) {
         (Some(0), _) if mode == Direction::Backup && facts.summary.is_none() => OutcomeKind::Failed,
         (Some(0), _) => OutcomeKind::Success,
-        _ if cancel_requested => OutcomeKind::Canceled,
+        _ if stopped => OutcomeKind::Canceled,
         (Some(3), _) => OutcomeKind::Partial,
         (Some(10), _) => OutcomeKind::RepositoryMissing,
         (Some(11), _) => OutcomeKind::Locked,
@@ -707,6 +732,7 @@ pub fn is_unknown_snapshot(message: &str, id: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::uploader::Stream;
 
     #[test]
     fn an_unknown_parent_is_recognised_only_for_that_id() {
@@ -714,6 +740,133 @@ mod tests {
         assert!(is_unknown_snapshot(m, "fc540c27"));
         assert!(!is_unknown_snapshot(m, "0badc0de"));
         assert!(!is_unknown_snapshot("Fatal: wrong password", "fc540c27"));
+    }
+
+    fn access() -> RepositoryAccess {
+        RepositoryAccess {
+            repository: "/r".into(),
+            password_file: "/p".into(),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn restore_and_stats_refuse_snapshot_ids_that_are_not_restic_ids() {
+        let v = ResticVersion::new(0, 18, 0);
+        let full = "f".repeat(64);
+        for good in ["fc540c27", "ABCDEF01", "0", full.as_str()] {
+            let inv = restore(&access(), v, good, None, Duration::from_secs(1)).unwrap();
+            assert!(inv.args.iter().any(|a| a == good), "{good}");
+            let inv = stats(&access(), good).unwrap();
+            assert!(inv.args.iter().any(|a| a == good), "{good}");
+        }
+        let long = "a".repeat(65);
+        for bad in [
+            "-h",
+            "--target=/etc",
+            "",
+            "latest",
+            "fc540c27:sub",
+            "fc54 0c27",
+            "fc540c27\nFatal: forged",
+            long.as_str(),
+        ] {
+            for err in [
+                restore(&access(), v, bad, None, Duration::from_secs(1))
+                    .unwrap_err()
+                    .to_string(),
+                stats(&access(), bad).unwrap_err().to_string(),
+            ] {
+                assert!(
+                    err.starts_with("invalid restic snapshot ID \""),
+                    "{bad:?}: {err}"
+                );
+                assert!(!err.contains('\n'), "the ID is shown escaped: {err}");
+                assert!(err.len() < 200, "the ID is shown cut short: {err}");
+            }
+        }
+        let err = stats(&access(), "--target=/etc").unwrap_err().to_string();
+        assert!(err.contains("\"--target=/etc\""), "{err}");
+    }
+
+    #[test]
+    fn huge_restore_counters_saturate_instead_of_overflowing() {
+        let p = ResticParser::new(Direction::Restore);
+        let max = u64::MAX;
+        let status = format!(
+            r#"{{"message_type":"status","percent_done":1,"total_files":{max},"files_restored":{max},"files_skipped":{max},"total_bytes":{max},"bytes_restored":{max},"bytes_skipped":{max}}}"#
+        );
+        match p.parse(status.as_bytes()) {
+            UploaderEvent::Progress(s) => {
+                assert_eq!((s.bytes_done, s.files_done), (max, max));
+            }
+            other => panic!("{other:?}"),
+        }
+        let summary = format!(
+            r#"{{"message_type":"summary","files_restored":{max},"files_skipped":1,"bytes_restored":{max},"bytes_skipped":1}}"#
+        );
+        match p.parse(summary.as_bytes()) {
+            UploaderEvent::Summary(s) => {
+                assert_eq!((s.total_bytes, s.total_files), (max, max));
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_go_panic_is_reported_by_its_panic_line_not_the_end_of_its_stack() {
+        let p = ResticParser::new(Direction::Backup);
+        let mut facts = RunFacts::default();
+        let mut stderr = vec![
+            "panic: runtime error: invalid memory address or nil pointer dereference".to_string(),
+            "[signal SIGSEGV: segmentation violation code=0x1 addr=0x0 pc=0x8a1b2c]".to_string(),
+            String::new(),
+            "goroutine 1 [running]:".to_string(),
+        ];
+        for i in 0..98 {
+            stderr.push(format!(
+                "github.com/restic/restic/internal/archiver.(*Archiver).Save{i}(0xc000123456)"
+            ));
+            stderr.push(format!(
+                "\t/build/restic/internal/archiver/archiver.go:{}+0x1a4",
+                100 + i
+            ));
+        }
+        assert_eq!(stderr.len(), 200);
+        for line in &stderr {
+            facts.observe(Stream::Stderr, &p.parse(line.as_bytes()));
+        }
+        let o = classify(ExitInfo::code(2), &facts, false, Direction::Backup);
+        assert_eq!(o.kind, OutcomeKind::Failed);
+        assert_eq!(
+            o.message,
+            "restic failed with exit code 2: panic: runtime error: invalid memory address or nil pointer dereference"
+        );
+        // A Fatal line still wins.
+        facts.observe(
+            Stream::Stderr,
+            &p.parse(b"Fatal: unable to save snapshot: disk full"),
+        );
+        let o = classify(ExitInfo::code(1), &facts, false, Direction::Backup);
+        assert_eq!(o.message, "unable to save snapshot: disk full");
+    }
+
+    #[test]
+    fn a_cancel_that_sent_no_stop_keeps_restics_outcome() {
+        let p = ResticParser::new(Direction::Backup);
+        let mut facts = RunFacts::default();
+        for line in [
+            r#"{"message_type":"summary","total_bytes_processed":10,"snapshot_id":"0123abcd"}"#,
+            "Warning: at least one source file could not be read",
+        ] {
+            facts.observe(Stream::Stdout, &p.parse(line.as_bytes()));
+        }
+        let o = classify(ExitInfo::code(3), &facts, false, Direction::Backup);
+        assert_eq!(o.kind, OutcomeKind::Partial);
+        assert_eq!(o.snapshot_id.as_deref(), Some("0123abcd"));
+        // Our SIGINT reached it: canceled.
+        let o = classify(ExitInfo::code(130), &facts, true, Direction::Backup);
+        assert_eq!(o.kind, OutcomeKind::Canceled);
     }
 
     #[test]
