@@ -40,6 +40,10 @@ pub struct EngineConfig {
     pub lock_wait: Duration,
     /// Where running uploaders are recorded (see [`runner::kill_recorded`]).
     pub child_record_dir: Option<PathBuf>,
+    /// How long the `restic unlock` after a stop may take before it is stopped too. restic
+    /// retries an unreachable backend for minutes, and a cancel must end (a stop is most often
+    /// asked for exactly when the backend is the trouble).
+    pub unlock_limit: Duration,
 }
 
 impl Default for EngineConfig {
@@ -53,6 +57,7 @@ impl Default for EngineConfig {
             init_missing_repository: true,
             lock_wait: Duration::from_secs(60),
             child_record_dir: None,
+            unlock_limit: Duration::from_secs(60),
         }
     }
 }
@@ -231,13 +236,29 @@ impl Engine {
 
     /// Removes the lock a stopped restic may have left. Not cancelable: it must run after a cancel.
     async fn restic_unlock(&self, access: &RepositoryAccess) {
-        match self
-            .restic_capture(restic::unlock(access), &CancellationToken::new())
-            .await
-        {
+        let stop = CancellationToken::new();
+        let limit = self.cfg.unlock_limit;
+        let timer = {
+            let stop = stop.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(limit).await;
+                stop.cancel();
+            })
+        };
+        let result = self.restic_capture(restic::unlock(access), &stop).await;
+        timer.abort();
+        match result {
+            _ if stop.is_cancelled() => tracing::warn!(
+                limit = %humantime::format_duration(limit),
+                "restic unlock did not finish in time and was stopped (backend unreachable?); a stale lock stays until the next unlock"
+            ),
             Ok(c) if c.exit.code == Some(0) => tracing::info!("removed stale repository locks"),
             Ok(c) => {
-                tracing::warn!(exit = %c.exit, stderr = ?c.stderr.last(), "restic unlock failed")
+                let last = c
+                    .stderr
+                    .last()
+                    .map(|l| crate::text::redact_url_credentials(l));
+                tracing::warn!(exit = %c.exit, stderr = ?last, "restic unlock failed")
             }
             Err(e) => tracing::warn!(error = %e, "restic unlock could not run"),
         }
@@ -257,7 +278,7 @@ impl Engine {
                     .iter()
                     .rev()
                     .find(|l| !l.is_empty())
-                    .cloned()
+                    .map(|l| crate::text::redact_url_credentials(l))
                     .unwrap_or_else(|| c.exit.to_string())
             )),
             Err(e) => Err(format!("cannot initialise the repository: {e}")),

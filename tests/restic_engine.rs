@@ -281,6 +281,60 @@ async fn cancel_mid_backup_stops_the_group_and_leaves_no_lock() {
     eprintln!("cancel took {took:?}");
 }
 
+/// The `restic unlock` after a stop is bounded: restic retries an unreachable backend for
+/// minutes, and a cancel must still end (with the unlock's own process group gone).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unlock_that_hangs_does_not_hold_the_cancel() {
+    let bed = Bed::new();
+    fill_source(&bed, 60, 3);
+    bed.init_repo();
+    // `unlock` hangs as against a backend that never answers; everything else is restic.
+    let wrapper = restic_wrapper(
+        &bed.path().join("restic-hanging-unlock"),
+        "for a in \"$@\"; do [ \"$a\" = unlock ] && exec sleep 297; done\nexec \"$RESTIC\" \"$@\"",
+    );
+    let engine = podvolume_agent::engine::Engine::new(EngineConfig {
+        restic_binary: wrapper,
+        update_interval: Duration::from_millis(200),
+        cancel_grace: Duration::from_secs(3),
+        lock_wait: Duration::ZERO,
+        unlock_limit: Duration::from_secs(2),
+        ..engine_config()
+    });
+    let mut req = backup_request(&bed);
+    req.options.limit_upload_kib = Some(1024);
+    let op = engine.backup(req);
+    let mut rx = op.subscribe();
+    tokio::time::timeout(TIMEOUT, async {
+        while rx.borrow_and_update().n_total == 0 {
+            rx.changed().await.unwrap();
+        }
+    })
+    .await
+    .unwrap();
+    // Not a timing check: without the limit this waits for the 297 s sleep, far past TIMEOUT.
+    let outcome = tokio::time::timeout(TIMEOUT, op.cancel())
+        .await
+        .expect("the cancel ended although unlock hangs");
+    assert_eq!(outcome.kind, OutcomeKind::Canceled, "{outcome:?}");
+    let hanging: Vec<String> = std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| std::fs::read(e.path().join("cmdline")).ok())
+        .map(|c| String::from_utf8_lossy(&c).replace('\0', " "))
+        .filter(|c| c.starts_with("sleep 297"))
+        .collect();
+    assert!(
+        hanging.is_empty(),
+        "the unlock was left running: {hanging:?}"
+    );
+    assert!(
+        bed.own_processes().is_empty(),
+        "left behind: {:?}",
+        bed.own_processes()
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cancel_kills_grandchildren_and_a_straggler_does_not_hold_the_run() {
     let bed = Bed::new();
