@@ -327,7 +327,7 @@ impl Engine {
                 let t = lock(&tracking);
                 restic::classify(exit, &t.facts, stop.is_some(), Direction::Backup)
             };
-            if stop.is_some() {
+            if may_have_left_its_lock(&exit, stop.is_some()) {
                 self.restic_unlock(&req.access).await;
             }
             // A cancel requested after restic ended on its own: nothing more is tried (no init,
@@ -464,7 +464,7 @@ impl Engine {
             Ok(r) => r,
             Err(e) => return Outcome::internal(e.to_string()),
         };
-        if stop.is_some() {
+        if may_have_left_its_lock(&exit, stop.is_some()) {
             self.restic_unlock(&req.access).await;
         }
         let (mut outcome, reached) = {
@@ -694,6 +694,14 @@ impl Engine {
             sink: sink.clone(),
         }))
     }
+}
+
+/// Whether restic may have ended without removing its lock: we stopped it (restic <= 0.16 leaves
+/// it on SIGKILL), something else killed it (the OOM killer, another SIGTERM/SIGKILL), or it
+/// crashed (a Go panic exits 2). `restic unlock` removes only stale locks (a dead process on this
+/// host), so it is safe to run; a lock left would block the repository's next prune or check.
+fn may_have_left_its_lock(exit: &crate::uploader::ExitInfo, stopped: bool) -> bool {
+    stopped || exit.signal.is_some() || exit.code == Some(2)
 }
 
 /// Publishes the final progress: on success both counters become the final size, never less than

@@ -281,6 +281,44 @@ async fn cancel_mid_backup_stops_the_group_and_leaves_no_lock() {
     eprintln!("cancel took {took:?}");
 }
 
+/// A restic killed by someone else (the OOM killer, a stray SIGKILL) leaves its lock; the
+/// engine removes it as after its own stop, so the repository's next prune or check is not
+/// blocked by a dead process.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restic_killed_by_someone_else_leaves_no_lock() {
+    let bed = Bed::new();
+    fill_source(&bed, 60, 3);
+    bed.init_repo();
+    // The backup is SIGKILLed, with the wrapper, once its lock is in the repository.
+    let wrapper = restic_wrapper(
+        &bed.path().join("restic-oom-killed"),
+        &format!(
+            "case \" $* \" in *\" backup \"*)\n\
+             \"$RESTIC\" \"$@\" & pid=$!\n\
+             while [ -z \"$(ls {locks} 2>/dev/null)\" ]; do sleep 0.05; done\n\
+             kill -9 $pid; kill -9 $$;;\n\
+             esac\nexec \"$RESTIC\" \"$@\"",
+            locks = bed.repo.join("locks").display()
+        ),
+    );
+    let engine = podvolume_agent::engine::Engine::new(EngineConfig {
+        restic_binary: wrapper,
+        update_interval: Duration::from_millis(200),
+        lock_wait: Duration::ZERO,
+        ..engine_config()
+    });
+    let mut req = backup_request(&bed);
+    req.options.limit_upload_kib = Some(1024);
+    let outcome = tokio::time::timeout(TIMEOUT, engine.backup(req).wait())
+        .await
+        .unwrap();
+    assert!(
+        matches!(outcome.kind, OutcomeKind::KilledBySignal { .. }),
+        "{outcome:?}"
+    );
+    assert!(bed.locks().is_empty(), "locks left: {:?}", bed.locks());
+}
+
 /// The `restic unlock` after a stop is bounded: restic retries an unreachable backend for
 /// minutes, and a cancel must still end (with the unlock's own process group gone).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
