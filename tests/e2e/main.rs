@@ -29,6 +29,22 @@ fn has_our_finalizer(p: &PodVolumeBackup) -> bool {
         .any(|f| f == podvolume_agent::crd::FINALIZER)
 }
 
+/// Records `n` interrupted starts on the object, as the agent's attempts annotation does.
+async fn set_attempts<K>(api: &kube::Api<K>, name: &str, n: u32)
+where
+    K: Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    api.patch(
+        name,
+        &kube::api::PatchParams::default(),
+        &kube::api::Patch::Merge(
+            json!({"metadata": {"annotations": {podvolume_agent::crd::ATTEMPTS_ANNOTATION: n.to_string()}}}),
+        ),
+    )
+    .await
+    .unwrap();
+}
+
 fn progress_of(p: &PodVolumeBackup) -> (i64, i64) {
     let pr = status(p).progress.clone().unwrap_or_default();
     (pr.bytes_done, pr.total_bytes)
@@ -315,16 +331,7 @@ async fn a_backup_interrupted_max_attempts_times_is_failed_not_started_again() {
     let (pod, dirs) = env.create_pod("attempts-pod", NODE, &["data"]).await;
     Env::fill(&dirs["data"], &[("a.bin", 1 << 20)]);
     env.create_pvb("pvb-attempts", &pod, "data", NODE).await;
-    env.pvbs()
-        .patch(
-            "pvb-attempts",
-            &kube::api::PatchParams::default(),
-            &kube::api::Patch::Merge(
-                json!({"metadata": {"annotations": {"podvolume-agent.io/attempts": "2"}}}),
-            ),
-        )
-        .await
-        .unwrap();
+    set_attempts(&env.pvbs(), "pvb-attempts", 2).await;
     let mut agent = env.start_agent(NODE, &["--max-attempts=2"]);
     agent.wait_ready(LONG).await;
     let done = env
@@ -810,16 +817,7 @@ async fn a_restore_interrupted_max_attempts_times_is_failed_not_started_again() 
     let (dst_pod, dst) = env.create_pod("dst-pod", NODE, &["data"]).await;
     env.create_pvr("pvr-attempts", &dst_pod, "data", &id, "restore-uid-a")
         .await;
-    env.pvrs()
-        .patch(
-            "pvr-attempts",
-            &kube::api::PatchParams::default(),
-            &kube::api::Patch::Merge(
-                json!({"metadata": {"annotations": {"podvolume-agent.io/attempts": "2"}}}),
-            ),
-        )
-        .await
-        .unwrap();
+    set_attempts(&env.pvrs(), "pvr-attempts", 2).await;
     let mut agent = env.start_agent(NODE, &["--max-attempts=2"]);
     agent.wait_ready(LONG).await;
     let r = env
