@@ -537,7 +537,9 @@ fn v018_failures_are_classified_from_exit_codes_and_exit_error() {
     // Where and why, without the question that hides the cause.
     let (_, o) = classify("0.18/repo-missing", Direction::Backup, false);
     assert!(
-        o.message.starts_with("no repository at /repo-missing"),
+        o.message
+            .starts_with("no repository at /repo-missing: repository does not exist")
+            && o.message.ends_with(" (exit code 10)"),
         "{}",
         o.message
     );

@@ -677,8 +677,17 @@ fn repository_message(kind: &OutcomeKind, fatal: &[String]) -> String {
         _ => "cannot open the repository",
     };
     let cause = cause.replace('\n', " ");
+    // The code of an `exit_error` (appended to its text, see the parser) follows the location
+    // line there; it belongs at the end of the message, not in the location.
+    let (location, code) = match location {
+        Some(l) => match l.rfind(" (exit code ") {
+            Some(i) if l.ends_with(')') => (Some(&l[..i]), &l[i..]),
+            _ => (Some(l), ""),
+        },
+        None => (None, ""),
+    };
     match location {
-        Some(loc) => format!("{what} at {loc}: {}", cause.trim()),
+        Some(loc) => format!("{what} at {loc}: {}{code}", cause.trim()),
         None => format!("{what}: {}", cause.trim()),
     }
 }
