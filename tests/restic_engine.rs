@@ -289,14 +289,16 @@ async fn a_restic_killed_by_someone_else_leaves_no_lock() {
     let bed = Bed::new();
     fill_source(&bed, 60, 3);
     bed.init_repo();
-    // The backup is SIGKILLed, with the wrapper, once its lock is in the repository.
+    // The backup is SIGKILLed, then the wrapper, once its lock is in the repository. The
+    // wrapper reaps restic first, as the agent does its own child: a dead restic not yet reaped
+    // by init still has a PID, and restic's unlock rightly calls its lock live.
     let wrapper = restic_wrapper(
         &bed.path().join("restic-oom-killed"),
         &format!(
             "case \" $* \" in *\" backup \"*)\n\
              \"$RESTIC\" \"$@\" & pid=$!\n\
              while [ -z \"$(ls {locks} 2>/dev/null)\" ]; do sleep 0.05; done\n\
-             kill -9 $pid; kill -9 $$;;\n\
+             kill -9 $pid; wait $pid; kill -9 $$;;\n\
              esac\nexec \"$RESTIC\" \"$@\"",
             locks = bed.repo.join("locks").display()
         ),
