@@ -152,6 +152,7 @@ fn report_hang(test: &str, limit: Duration, agents: &[(u32, PathBuf)]) {
         .unwrap_or_default();
     r.push_str("---- processes ----\n");
     r.push_str(&ps);
+    r.push_str(&test_threads());
     for (_, log) in agents {
         for path in [log.clone(), log.with_extension("err")] {
             let text = std::fs::read_to_string(&path).unwrap_or_default();
@@ -164,6 +165,40 @@ fn report_hang(test: &str, limit: Duration, agents: &[(u32, PathBuf)]) {
         }
     }
     let _ = std::io::stderr().write_all(r.as_bytes());
+}
+
+/// Where each thread of this test binary waits (name, state, kernel wait channel and the top of
+/// its kernel stack, readable as root): a hang in a blocking read, a futex or the network shows
+/// there, which the process table cannot tell.
+fn test_threads() -> String {
+    let mut r = String::from("---- threads of this test binary ----\n");
+    for task in std::fs::read_dir("/proc/self/task")
+        .into_iter()
+        .flatten()
+        .flatten()
+    {
+        let read = |f: &str| std::fs::read_to_string(task.path().join(f)).unwrap_or_default();
+        let stat = read("stat");
+        let state = stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().next())
+            .unwrap_or("?")
+            .to_string();
+        let stack: Vec<String> = read("stack")
+            .lines()
+            .take(6)
+            .map(|l| l.trim().to_string())
+            .collect();
+        r.push_str(&format!(
+            "{} {} {} wchan={} | {}\n",
+            task.file_name().to_string_lossy(),
+            read("comm").trim(),
+            state,
+            read("wchan").trim(),
+            stack.join(" < ")
+        ));
+    }
+    r
 }
 
 fn unique(prefix: &str) -> String {
