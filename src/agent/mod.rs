@@ -215,22 +215,13 @@ fn uploader_cache_dir(scratch: &std::path::Path, uploader: UploaderKind, repo: &
         UploaderKind::Kopia => {
             // Readable (the repository's last path characters) and unique (a stable hash of
             // all of it); a single path component whatever the identifier holds.
-            let tail: String = repo
-                .chars()
-                .rev()
-                .take(40)
-                .collect::<Vec<_>>()
-                .into_iter()
-                .rev()
-                .map(|c| {
-                    if c.is_ascii_alphanumeric() || c == '-' {
-                        c
-                    } else {
-                        '_'
-                    }
-                })
-                .collect();
-            base.join(format!("{tail}-{:016x}", fnv1a64(repo.as_bytes())))
+            let tail = repo.chars().count().saturating_sub(40);
+            let tail: String = repo.chars().skip(tail).collect();
+            base.join(format!(
+                "{}-{:016x}",
+                storage::safe_name(&tail),
+                fnv1a64(repo.as_bytes())
+            ))
         }
     }
 }

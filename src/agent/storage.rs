@@ -374,7 +374,7 @@ fn secret_values(file: &[u8]) -> Vec<String> {
 }
 
 /// UIDs are safe path components; anything else is made one.
-fn safe_name(uid: &str) -> String {
+pub(crate) fn safe_name(uid: &str) -> String {
     let s: String = uid
         .chars()
         .map(|c| {

@@ -265,7 +265,7 @@ pub async fn finish<K: VolumeObject>(
     if let Err(e) = ctx.state.save(&stored) {
         tracing::warn!(error = %e, "could not save the result in the state dir");
     }
-    let mut backoff = Duration::from_millis(500);
+    let mut backoff = Backoff::new();
     loop {
         match writer.write_result(status.clone()).await {
             Ok(_) | Err(WriteError::Gone) => break,
@@ -279,12 +279,10 @@ pub async fn finish<K: VolumeObject>(
                 break;
             }
             Err(e) => {
-                tracing::warn!(error = %e, retry_in = ?backoff, "terminal status write failed; retrying");
-                tokio::select! {
-                    _ = tokio::time::sleep(backoff) => {}
-                    _ = shutdown.cancelled() => return false,
+                tracing::warn!(error = %e, retry_in = ?backoff.next, "terminal status write failed; retrying");
+                if !backoff.wait(shutdown).await {
+                    return false;
                 }
-                backoff = (backoff * 2).min(Duration::from_secs(30));
             }
         }
     }
@@ -425,8 +423,8 @@ pub async fn gate<K: VolumeObject>(
     Gate::Start(obj)
 }
 
-/// Backoff for the API requests between a slot and the uploader's start, 0.5 s doubling to
-/// 30 s, cut short by the operation's cancel token.
+/// Backoff for API requests that must get through (the terminal write, those between a slot
+/// and the uploader's start): 0.5 s doubling to 30 s, cut short by a token.
 struct Backoff {
     next: Duration,
 }
@@ -438,7 +436,7 @@ impl Backoff {
         }
     }
 
-    /// Waits the next delay; false when the operation was stopped meanwhile.
+    /// Waits the next delay; false when `token` was cancelled meanwhile.
     async fn wait(&mut self, token: &CancellationToken) -> bool {
         let delay = self.next;
         self.next = (self.next * 2).min(Duration::from_secs(30));
@@ -476,37 +474,31 @@ pub async fn mark_in_progress<K: VolumeObject>(
     status: Value,
 ) -> Gate<()> {
     let meta = json!({ "annotations": { crate::crd::ATTEMPTS_ANNOTATION: (obj.attempts() + 1).to_string() } });
-    let mut counted = false;
     let mut backoff = Backoff::new();
-    loop {
-        let result = if counted {
-            w.write(Some(status.clone()), None).await
-        } else {
-            w.write(None, Some(meta.clone())).await
-        };
-        match result {
-            Ok(_) if counted => return Gate::Start(()),
-            Ok(_) => {
-                counted = true;
-                continue;
+    // The count first: a start it does not record could be repeated past --max-attempts.
+    for (status, meta) in [(None, Some(meta)), (Some(status), None)] {
+        loop {
+            match w.write(status.clone(), meta.clone()).await {
+                Ok(_) => break,
+                Err(WriteError::Terminal(_) | WriteError::Gone) => return Gate::Stop,
+                Err(e) if e.is_transient() => {
+                    tracing::warn!(error = %e, retry_in = ?backoff.next, "cannot mark the {} InProgress; retrying", K::OPERATION);
+                }
+                Err(e) => {
+                    // Refused for good (RBAC, validation): the result cannot be written either.
+                    tracing::error!(error = %e, "cannot mark the {} InProgress", K::OPERATION);
+                    return Gate::Stop;
+                }
             }
-            Err(WriteError::Terminal(_) | WriteError::Gone) => return Gate::Stop,
-            Err(e) if e.is_transient() => {
-                tracing::warn!(error = %e, retry_in = ?backoff.next, "cannot mark the {} InProgress; retrying", K::OPERATION);
+            if !backoff.wait(token).await {
+                return match stopped_while_waiting(ctx, obj) {
+                    Gate::CancelBeforeStart(_, reason) => Gate::CancelBeforeStart((), reason),
+                    _ => Gate::Stop,
+                };
             }
-            Err(e) => {
-                // Refused for good (RBAC, validation): the result cannot be written either.
-                tracing::error!(error = %e, "cannot mark the {} InProgress", K::OPERATION);
-                return Gate::Stop;
-            }
-        }
-        if !backoff.wait(token).await {
-            return match stopped_while_waiting(ctx, obj) {
-                Gate::CancelBeforeStart(_, reason) => Gate::CancelBeforeStart((), reason),
-                _ => Gate::Stop,
-            };
         }
     }
+    Gate::Start(())
 }
 
 /// Queues a transfer in the registry; it runs when a slot is free, the object accepted (else

@@ -199,20 +199,16 @@ pub fn snapshot_create(access: &RepositoryAccess, source: &Path) -> Result<Kopia
 /// object IDs (`k<hash>`, `Ix<hash>`) a few characters more than their hash; this leaves room.
 pub const MAX_SNAPSHOT_ID_LEN: usize = 128;
 
-/// Checks a snapshot ID that goes to kopia as a positional argument: 1 to 128 ASCII letters and
-/// digits (manifest and object IDs are that). Anything else, a value starting with `-` above all
-/// (kopia would read it as a flag), is refused with the value shown escaped and cut short.
+/// A snapshot ID for kopia's argv: 1 to 128 ASCII letters and digits (manifest and object IDs
+/// are that).
 pub fn check_snapshot_id(id: &str) -> Result<(), Error> {
-    if !id.is_empty()
-        && id.len() <= MAX_SNAPSHOT_ID_LEN
-        && id.bytes().all(|b| b.is_ascii_alphanumeric())
-    {
-        return Ok(());
-    }
-    Err(Error::Invalid(format!(
-        "invalid kopia snapshot ID {}: expected 1 to {MAX_SNAPSHOT_ID_LEN} letters and digits",
-        super::show_id(id)
-    )))
+    super::check_snapshot_id(
+        "kopia",
+        id,
+        MAX_SNAPSHOT_ID_LEN,
+        u8::is_ascii_alphanumeric,
+        "letters and digits",
+    )
 }
 
 /// `kopia snapshot restore --progress <id> <target>`. restore has no `--json`: progress and the

@@ -270,6 +270,25 @@ pub(crate) fn show_id(id: &str) -> String {
     format!("{:?}", crate::text::truncate(id, 72))
 }
 
+/// Checks a snapshot ID that goes to an uploader as a positional argument: 1 to `max` bytes, each
+/// one `allowed` says the uploader's IDs are made of. Anything else, a value starting with `-`
+/// above all (it would be read as a flag), is refused with the value shown escaped and cut short.
+pub(crate) fn check_snapshot_id(
+    uploader: &str,
+    id: &str,
+    max: usize,
+    allowed: fn(&u8) -> bool,
+    expected: &str,
+) -> Result<(), crate::error::Error> {
+    if !id.is_empty() && id.len() <= max && id.bytes().all(|b| allowed(&b)) {
+        return Ok(());
+    }
+    Err(crate::error::Error::Invalid(format!(
+        "invalid {uploader} snapshot ID {}: expected 1 to {max} {expected}",
+        show_id(id)
+    )))
+}
+
 impl Outcome {
     /// An outcome that did not come from the uploader (the agent itself failed).
     pub fn internal(message: impl Into<String>) -> Self {

@@ -193,20 +193,15 @@ pub fn backup(
 /// The longest snapshot ID restic has (0.15 and later print 64 hex digits; 0.14 prints 8).
 pub const MAX_SNAPSHOT_ID_LEN: usize = 64;
 
-/// Checks a snapshot ID that goes to restic as a positional argument: 1 to 64 hexadecimal digits
-/// (a full ID or a prefix of one). Anything else, a value starting with `-` above all (restic would
-/// read it as a flag), is refused with the value shown escaped and cut short.
+/// A snapshot ID for restic's argv: 1 to 64 hexadecimal digits (a full ID or a prefix of one).
 pub fn check_snapshot_id(id: &str) -> Result<(), Error> {
-    if !id.is_empty()
-        && id.len() <= MAX_SNAPSHOT_ID_LEN
-        && id.bytes().all(|b| b.is_ascii_hexdigit())
-    {
-        return Ok(());
-    }
-    Err(Error::Invalid(format!(
-        "invalid restic snapshot ID {}: expected 1 to {MAX_SNAPSHOT_ID_LEN} hexadecimal characters",
-        super::show_id(id)
-    )))
+    super::check_snapshot_id(
+        "restic",
+        id,
+        MAX_SNAPSHOT_ID_LEN,
+        u8::is_ascii_hexdigit,
+        "hexadecimal characters",
+    )
 }
 
 /// `restic restore <id> --target .`, run inside the target directory. `--json` only where restic
