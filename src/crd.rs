@@ -14,6 +14,20 @@ use serde::{Deserialize, Serialize};
 
 /// The finalizer Velero's node agent keeps on unfinished objects so a deletion becomes a cancel.
 pub const FINALIZER: &str = "velero.io/pod-volume-finalizer";
+/// A cancel request that survives every CRD version: Velero <= 1.16's CRDs have no
+/// `spec.cancel` (the API server prunes it without an error), so a cancel written only there
+/// would be lost. Annotations are never pruned.
+pub const CANCEL_ANNOTATION: &str = "podvolume-agent.io/cancel";
+
+/// The merge patch that asks for a cancel: `spec.cancel` (Velero 1.17+'s field, which Velero's
+/// own agent honours too) and [`CANCEL_ANNOTATION`] (read by this agent whatever the CRDs).
+pub fn cancel_patch() -> serde_json::Value {
+    serde_json::json!({
+        "metadata": { "annotations": { CANCEL_ANNOTATION: "true" } },
+        "spec": { "cancel": true },
+    })
+}
+
 /// How many times an object interrupted by agent restarts is run again before it is failed.
 pub const ATTEMPTS_ANNOTATION: &str = "podvolume-agent.io/attempts";
 

@@ -983,7 +983,8 @@ enum Scope {
     Namespace,
 }
 
-/// What the agent does with the API: (scope, apiGroup, resource, verb, resourceName).
+/// What the agent does with the API: (scope, apiGroup, resource, verb, resourceName). The
+/// CRDs are read and watched by name for the phases they allow (`agent::phases`).
 const NEEDS: &[(Scope, &str, &str, &str, Option<&str>)] = &[
     (Scope::Cluster, "", "pods", "get", None),
     (Scope::Cluster, "", "persistentvolumeclaims", "get", None),
@@ -1000,7 +1001,35 @@ const NEEDS: &[(Scope, &str, &str, &str, Option<&str>)] = &[
         Scope::Cluster,
         "apiextensions.k8s.io",
         "customresourcedefinitions",
+        "list",
+        Some("podvolumebackups.velero.io"),
+    ),
+    (
+        Scope::Cluster,
+        "apiextensions.k8s.io",
+        "customresourcedefinitions",
+        "watch",
+        Some("podvolumebackups.velero.io"),
+    ),
+    (
+        Scope::Cluster,
+        "apiextensions.k8s.io",
+        "customresourcedefinitions",
         "get",
+        Some("podvolumerestores.velero.io"),
+    ),
+    (
+        Scope::Cluster,
+        "apiextensions.k8s.io",
+        "customresourcedefinitions",
+        "list",
+        Some("podvolumerestores.velero.io"),
+    ),
+    (
+        Scope::Cluster,
+        "apiextensions.k8s.io",
+        "customresourcedefinitions",
+        "watch",
         Some("podvolumerestores.velero.io"),
     ),
     (

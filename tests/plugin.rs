@@ -89,7 +89,7 @@ async fn write_status(env: &Env, flavour: Flavour, name: &str, status: Value) {
     let pp = PatchParams::default();
     match flavour {
         Flavour::Ours => env.pvbs().patch_status(name, &pp, &patch).await.unwrap(),
-        Flavour::Velero => env.pvbs().patch(name, &pp, &patch).await.unwrap(),
+        Flavour::Velero | Flavour::Velero116 => env.pvbs().patch(name, &pp, &patch).await.unwrap(),
     };
 }
 

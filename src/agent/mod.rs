@@ -10,6 +10,7 @@ pub mod admin;
 pub mod backup;
 pub mod metrics;
 pub mod opsapi;
+pub mod phases;
 pub mod reconcile;
 pub mod registry;
 pub mod restore;
@@ -65,6 +66,9 @@ pub struct Context {
     /// Whether each kind has the status subresource (our CRDs) or not (Velero's).
     pub pvb_status_subresource: bool,
     pub pvr_status_subresource: bool,
+    /// The phases each kind's installed CRD allows (Velero <= 1.16: four; 1.17+: eight).
+    pub pvb_phases: Arc<phases::KindPhases>,
+    pub pvr_phases: Arc<phases::KindPhases>,
 }
 
 /// How long finished operations stay visible in the operations API.
@@ -328,6 +332,55 @@ async fn discover(client: &Client, shutdown: &CancellationToken) -> Option<(bool
     }
 }
 
+/// Keeps `phases` equal to what the CRD `name` allows: read once before the controllers start
+/// (so the first claim is written right), then watched by name, so a CRD upgraded or
+/// downgraded under a running agent is followed. A read the API server refuses (an older RBAC
+/// without `get` on the CRD) is logged once; the status writer then learns the set from the
+/// first refused write instead.
+async fn follow_crd_phases(
+    client: Client,
+    name: &'static str,
+    phases: Arc<phases::KindPhases>,
+) -> tokio::task::JoinHandle<()> {
+    use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+    use kube::runtime::WatchStreamExt;
+    let api: Api<CustomResourceDefinition> = Api::all(client);
+    match tokio::time::timeout(Duration::from_secs(30), api.get(name)).await {
+        Ok(Ok(crd)) => {
+            if let Some(set) = phases::PhaseSet::of_crd(&crd) {
+                phases.learn(set, "the CRD");
+            }
+        }
+        Ok(Err(e)) => {
+            tracing::warn!(crd = name, error = %e, "cannot read the CRD; its phases are learned from the first refused write")
+        }
+        Err(_) => tracing::warn!(
+            crd = name,
+            "no answer reading the CRD in 30 s; its phases are learned from the first refused write"
+        ),
+    }
+    tokio::spawn(async move {
+        let config = watcher::Config::default().fields(&format!("metadata.name={name}"));
+        let mut changes = std::pin::pin!(watcher(api, config).default_backoff().applied_objects());
+        let mut failing = false;
+        while let Some(change) = changes.next().await {
+            match change {
+                Ok(crd) => {
+                    failing = false;
+                    if let Some(set) = phases::PhaseSet::of_crd(&crd) {
+                        phases.learn(set, "the CRD");
+                    }
+                }
+                Err(e) if !failing => {
+                    failing = true;
+                    tracing::warn!(crd = name, error = %e, "cannot watch the CRD; retrying with backoff");
+                }
+                Err(_) => {}
+            }
+        }
+    })
+}
+
 fn error_policy<K>(_obj: Arc<K>, error: &Error, _ctx: Arc<Context>) -> Action {
     tracing::warn!(%error, "reconcile failed; retrying in 5s");
     Action::requeue(Duration::from_secs(5))
@@ -461,6 +514,12 @@ pub async fn run(args: RunArgs) -> i32 {
     let Some((pvb_sub, pvr_sub)) = discover(&client, &shutdown).await else {
         return 0;
     };
+    let pvb_phases = Arc::new(phases::KindPhases::new("PodVolumeBackup"));
+    let pvr_phases = Arc::new(phases::KindPhases::new("PodVolumeRestore"));
+    let crd_watches = [
+        follow_crd_phases(client.clone(), "podvolumebackups.velero.io", pvb_phases.clone()).await,
+        follow_crd_phases(client.clone(), "podvolumerestores.velero.io", pvr_phases.clone()).await,
+    ];
     let state = match StateDir::open(&args.state_dir) {
         Ok(s) => s,
         Err(e) => {
@@ -513,6 +572,8 @@ pub async fn run(args: RunArgs) -> i32 {
         shutdown: shutdown.clone(),
         pvb_status_subresource: pvb_sub,
         pvr_status_subresource: pvr_sub,
+        pvb_phases,
+        pvr_phases,
         args: args.clone(),
     });
     let _ = admin_state.ops.set(ctx.clone());
@@ -546,6 +607,9 @@ pub async fn run(args: RunArgs) -> i32 {
         .for_each(log_controller_result);
     tracing::info!(node = %args.node_name, namespace = %args.namespace, "node agent started");
     futures::join!(pvb_run, pvr_run);
+    for w in crd_watches {
+        w.abort();
+    }
     // Transfers stop with SIGINT, SIGKILL after the grace period, then `restic unlock`.
     let bound = args.cancel_grace + Duration::from_secs(20);
     if tokio::time::timeout(bound, registry.drained())

@@ -567,7 +567,7 @@ async fn cancel(
 }
 
 async fn set_spec_cancel(ctx: &Context, op: &OperationSummary) -> Result<(), kube::Error> {
-    let patch = Patch::Merge(json!({ "spec": { "cancel": true } }));
+    let patch = Patch::Merge(crate::crd::cancel_patch());
     let pp = PatchParams {
         field_manager: Some(super::status::FIELD_MANAGER.to_string()),
         ..PatchParams::default()

@@ -13,6 +13,7 @@ use kube::{Api, Resource, ResourceExt};
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
 
+use super::phases::KindPhases;
 use super::registry::{CancelReason, CancelResult, OperationKind};
 use super::status::{Finalizer, ObjectWriter, VolumeObject, WriteError, now_rfc3339};
 use super::transfer::{self, event, finish, saved_outcome};
@@ -24,6 +25,8 @@ pub trait Reconciled: VolumeObject + Resource<Scope = NamespaceResourceScope> {
     const OPERATION_KIND: OperationKind;
     /// Whether the API server serves this kind's status subresource (found at start).
     fn status_subresource(ctx: &Context) -> bool;
+    /// The phases this kind's CRD allows (see [`super::phases`]).
+    fn phases(ctx: &Context) -> &Arc<KindPhases>;
     /// A PVR names the node that took it in its status (Velero's agent does; its spec has no
     /// node), a PVB has it in its spec already.
     const NODE_IN_STATUS: bool;
@@ -37,6 +40,9 @@ impl Reconciled for PodVolumeBackup {
     fn status_subresource(ctx: &Context) -> bool {
         ctx.pvb_status_subresource
     }
+    fn phases(ctx: &Context) -> &Arc<KindPhases> {
+        &ctx.pvb_phases
+    }
     fn claimed(ctx: &Context) {
         ctx.metrics.backup_enqueued();
     }
@@ -48,12 +54,22 @@ impl Reconciled for PodVolumeRestore {
     fn status_subresource(ctx: &Context) -> bool {
         ctx.pvr_status_subresource
     }
+    fn phases(ctx: &Context) -> &Arc<KindPhases> {
+        &ctx.pvr_phases
+    }
 }
 
 /// The writer of one object's status and finalizer.
 pub fn writer<K: Reconciled>(ctx: &Context, obj: &K) -> ObjectWriter<K> {
     let api: Api<K> = Api::namespaced(ctx.client.clone(), &obj.namespace().unwrap_or_default());
-    ObjectWriter::new(api, obj, K::status_subresource(ctx), ctx.metrics.clone())
+    ObjectWriter::new(
+        api,
+        obj,
+        K::status_subresource(ctx),
+        K::phases(ctx).clone(),
+        ctx.metrics.clone(),
+        ctx.recorder.clone(),
+    )
 }
 
 /// A status patch before the transfer: the phase and message, and the node where the kind

@@ -14,13 +14,16 @@ use std::fmt::Debug;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use k8s_openapi::api::core::v1::ObjectReference;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use kube::runtime::events::{Event, EventType, Recorder};
 use kube::api::{Patch, PatchParams};
 use kube::{Api, Resource};
 use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
 
 use super::metrics::Metrics;
+use super::phases::{KindPhases, PhaseSet};
 use crate::crd::{FINALIZER, Phase, PodVolumeBackup, PodVolumeRestore};
 
 /// The manager the API server records in `managedFields` for the agent's writes (kube's client
@@ -67,7 +70,14 @@ macro_rules! volume_object {
                     .and_then(|s| s.accepted_timestamp.as_ref())
             }
             fn cancel_requested(&self) -> bool {
-                self.spec.cancel == Some(true) || self.metadata.deletion_timestamp.is_some()
+                self.spec.cancel == Some(true)
+                    || self.metadata.deletion_timestamp.is_some()
+                    || self
+                        .metadata
+                        .annotations
+                        .as_ref()
+                        .and_then(|a| a.get(crate::crd::CANCEL_ANNOTATION))
+                        .is_some_and(|v| v == "true")
             }
         }
     };
@@ -119,7 +129,12 @@ pub struct ObjectWriter<K: VolumeObject> {
     /// on it. Checking only after a 409 is not enough: the re-read takes the terminal version,
     /// so the next write would go through without a conflict.
     phase: Phase,
+    /// The phases this kind's CRD allows: every status is adapted to them before it is sent.
+    phases: Arc<KindPhases>,
     metrics: Arc<Metrics>,
+    /// A refused write (422) is told on the object as an Event, for `kubectl describe`.
+    recorder: Recorder,
+    object_ref: ObjectReference,
 }
 
 /// What a write does to our finalizer.
@@ -133,7 +148,14 @@ pub enum Finalizer {
 const CONFLICT_RETRIES: u32 = 8;
 
 impl<K: VolumeObject> ObjectWriter<K> {
-    pub fn new(api: Api<K>, obj: &K, subresource: bool, metrics: Arc<Metrics>) -> Self {
+    pub fn new(
+        api: Api<K>,
+        obj: &K,
+        subresource: bool,
+        phases: Arc<KindPhases>,
+        metrics: Arc<Metrics>,
+        recorder: Recorder,
+    ) -> Self {
         Self {
             api,
             name: obj.meta().name.clone().unwrap_or_default(),
@@ -141,7 +163,10 @@ impl<K: VolumeObject> ObjectWriter<K> {
             resource_version: obj.meta().resource_version.clone(),
             finalizers: obj.meta().finalizers.clone().unwrap_or_default(),
             phase: obj.phase(),
+            phases,
             metrics,
+            recorder,
+            object_ref: obj.object_ref(&()),
         }
     }
 
@@ -233,6 +258,8 @@ impl<K: VolumeObject> ObjectWriter<K> {
             if status.is_some() && self.phase.is_terminal() {
                 return Err(WriteError::Terminal(self.phase));
             }
+            // Adapted on every attempt: a refusal below may have taught a smaller set.
+            let status = status.clone().map(|s| self.phases.adapt(s));
             let mut metadata = metadata.clone();
             if let Some(Value::Object(f)) = self.finalizers_after(finalizer) {
                 match &mut metadata {
@@ -242,6 +269,19 @@ impl<K: VolumeObject> ObjectWriter<K> {
             }
             match self.try_write(status.as_ref(), metadata.as_ref()).await {
                 Ok(o) => return Ok(o),
+                // A phase the CRD does not have (Velero <= 1.16's four): learn the set from the
+                // refusal and send what the server accepts. Only when that changes the set, so a
+                // refusal the adaptation cannot mend is returned, not retried for ever.
+                Err(kube::Error::Api(s))
+                    if s.code == 422
+                        && PhaseSet::of_refusal(&s.message)
+                            .is_some_and(|set| self.phases.learn(set, "a refused status write")) =>
+                {
+                    attempt += 1;
+                    tracing::warn!(reason = %s.message, "status write refused (422); writing the phases the CRD allows");
+                    self.refused(&s.message, "writing the phases the CRD allows instead")
+                        .await;
+                }
                 Err(e) if is_status(&e, 409) && attempt < CONFLICT_RETRIES => {
                     attempt += 1;
                     // The loop's first check refuses the status write if this made it terminal.
@@ -249,8 +289,30 @@ impl<K: VolumeObject> ObjectWriter<K> {
                     tokio::time::sleep(Duration::from_millis(50 * u64::from(attempt))).await;
                 }
                 Err(e) if is_status(&e, 404) => return Err(WriteError::Gone),
+                Err(kube::Error::Api(s)) if s.code == 422 => {
+                    self.refused(&s.message, "not retried").await;
+                    return Err(WriteError::Api(kube::Error::Api(s)));
+                }
                 Err(e) => return Err(WriteError::Api(e)),
             }
+        }
+    }
+
+    /// An Event (Warning, `StatusRefused`) with the API server's reason; failures to publish it
+    /// are only logged at debug level.
+    async fn refused(&self, reason: &str, then: &str) {
+        let ev = Event {
+            type_: EventType::Warning,
+            reason: "StatusRefused".into(),
+            note: Some(crate::text::truncate(
+                &format!("status write refused by the API server: {reason}; {then}"),
+                1000,
+            )),
+            action: "StatusWrite".into(),
+            secondary: None,
+        };
+        if let Err(e) = self.recorder.publish(&ev, &self.object_ref).await {
+            tracing::debug!(error = %e, "could not publish an event");
         }
     }
 
@@ -319,6 +381,7 @@ impl<K: VolumeObject> ObjectWriter<K> {
             Ok(_) => "ok",
             Err(e) if is_status(e, 409) => "conflict",
             Err(e) if is_status(e, 404) => "not_found",
+            Err(e) if is_status(e, 422) => "invalid",
             Err(_) => "error",
         };
         self.metrics.status_write(result, start.elapsed());

@@ -278,6 +278,14 @@ pub async fn finish<K: VolumeObject>(
                 remove_finalizer(writer).await;
                 break;
             }
+            Err(e) if !e.is_transient() => {
+                // Refused for good (a 422 the phase adaptation cannot mend, 403, 400): the
+                // same write would be refused for ever and keep our finalizer on, so a deletion
+                // could never complete. Nothing of ours may keep an object from being deleted.
+                tracing::error!(error = %e, "the terminal status write is refused by the API server; the result is not written and our finalizer is removed");
+                remove_finalizer(writer).await;
+                break;
+            }
             Err(e) => {
                 tracing::warn!(error = %e, retry_in = ?backoff.next, "terminal status write failed; retrying");
                 if !backoff.wait(shutdown).await {

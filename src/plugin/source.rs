@@ -10,7 +10,7 @@ use kube::api::{ApiResource, DynamicObject, ListParams, Patch, PatchParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client, Config};
-use serde_json::{Value, json};
+use serde_json::Value;
 
 use super::summary::{Kind, Volume};
 use crate::crd::{PodVolumeBackup, PodVolumeRestore};
@@ -140,7 +140,7 @@ pub async fn cancel(
             field_manager: Some("kubectl-podvolume".to_string()),
             ..PatchParams::default()
         },
-        &Patch::Merge(json!({"spec": {"cancel": true}})),
+        &Patch::Merge(crate::crd::cancel_patch()),
     )
     .await
     .map_err(|e| explain(kind, "patch", api, e))?;

@@ -160,6 +160,7 @@ impl Volume {
             total_bytes: total,
             message: text(&status["message"]),
             cancel_requested: spec["cancel"].as_bool() == Some(true)
+                || meta["annotations"][crate::crd::CANCEL_ANNOTATION].as_str() == Some("true")
                 || !meta["deletionTimestamp"].is_null(),
             created: time(&meta["creationTimestamp"]),
             started: time(&status["startTimestamp"]),

@@ -245,6 +245,19 @@ impl TestApiServer {
         Ok(())
     }
 
+    /// Install the PodVolumeBackup/PodVolumeRestore CRDs of Velero 1.16 and older
+    /// (`velero-crds/v1.15/`): no status subresource, and a `status.phase` enum of only New,
+    /// InProgress, Completed and Failed, refused otherwise with 422 as a real API server does.
+    pub fn install_velero_116_crds(&self) -> Result<(), ApiError> {
+        for f in [
+            "v1.15/velero.io_podvolumebackups.yaml",
+            "v1.15/velero.io_podvolumerestores.yaml",
+        ] {
+            self.apply_crd_file(velero_crds_dir().join(f))?;
+        }
+        Ok(())
+    }
+
     /// Install Velero's BackupStorageLocation CRD (the node agent reads the location of each
     /// PodVolumeBackup/PodVolumeRestore).
     pub fn install_storage_location_crd(&self) -> Result<(), ApiError> {

@@ -119,6 +119,43 @@ pub(crate) fn prune(value: &mut Value, schema: &Value) {
     }
 }
 
+/// The first value outside its schema's `enum`, as the API server's validation reports it
+/// (`status.phase: Unsupported value: "Accepted": supported values: "New", "InProgress"`), or
+/// `None`. Walks properties, additionalProperties and items like pruning; run after it.
+pub(crate) fn enum_violation(obj: &Value, schema: &Value) -> Option<String> {
+    fn walk(value: &Value, schema: &Value, path: &str) -> Option<String> {
+        if let Some(allowed) = schema.get("enum").and_then(Value::as_array)
+            && !value.is_null()
+            && !allowed.contains(value)
+        {
+            let list: Vec<String> = allowed.iter().map(Value::to_string).collect();
+            return Some(format!(
+                "{path}: Unsupported value: {value}: supported values: {}",
+                list.join(", ")
+            ));
+        }
+        match value {
+            Value::Object(map) => map.iter().find_map(|(k, v)| {
+                let sub = schema
+                    .get("properties")
+                    .and_then(|p| p.get(k))
+                    .or_else(|| schema.get("additionalProperties").filter(|a| a.is_object()))?;
+                let p = if path.is_empty() { k.clone() } else { format!("{path}.{k}") };
+                walk(v, sub, &p)
+            }),
+            Value::Array(items) => {
+                let sub = schema.get("items")?;
+                items
+                    .iter()
+                    .enumerate()
+                    .find_map(|(i, v)| walk(v, sub, &format!("{path}[{i}]")))
+            }
+            _ => None,
+        }
+    }
+    walk(obj, schema, "")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -145,6 +182,7 @@ mod tests {
                      "free": {"anything": {"deep": 1}, "known": {"k": "v", "drop": 1}}}
         });
         prune_root(&mut obj, &schema);
+        assert_eq!(enum_violation(&obj, &schema), None);
         assert_eq!(
             obj,
             json!({
@@ -152,6 +190,19 @@ mod tests {
                 "spec": {"a": "1", "m": {"k1": "v"}, "l": [{"x": 1}],
                          "free": {"anything": {"deep": 1}, "known": {"k": "v"}}}
             })
+        );
+    }
+
+    #[test]
+    fn a_value_outside_an_enum_is_reported_as_the_api_server_does() {
+        let schema = json!({"type": "object", "properties": {"status": {"type": "object", "properties": {
+            "phase": {"type": "string", "enum": ["New", "InProgress", "Completed", "Failed"]}}}}});
+        let ok = json!({"status": {"phase": "InProgress"}});
+        assert_eq!(enum_violation(&ok, &schema), None);
+        let bad = json!({"status": {"phase": "Accepted"}});
+        assert_eq!(
+            enum_violation(&bad, &schema).as_deref(),
+            Some(r#"status.phase: Unsupported value: "Accepted": supported values: "New", "InProgress", "Completed", "Failed""#)
         );
     }
 }

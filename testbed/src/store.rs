@@ -343,6 +343,10 @@ impl Store {
             && let Some(schema) = res.version(version).and_then(|v| v.schema.as_deref())
         {
             prune_root(obj, schema);
+            if let Some(cause) = crate::schema::enum_violation(obj, schema) {
+                let name = meta_str(obj, "name").unwrap_or("").to_string();
+                return Err(ApiError::invalid(&res.group, &res.kind, &name, &cause));
+            }
         }
         Ok(())
     }

@@ -30,10 +30,36 @@ pub const OTHER_NODE: &str = "e2e-node-b";
 /// Which CRDs the API server serves.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Flavour {
-    /// Velero's own: no status subresource.
+    /// Velero's own (1.17+): no status subresource, eight phases.
     Velero,
+    /// Velero 1.16 and older (`velero-crds/v1.15/`): no status subresource, and only the
+    /// phases New, InProgress, Completed and Failed.
+    Velero116,
     /// The project's: status subresource, printer columns.
     Ours,
+}
+
+impl Flavour {
+    /// Status is written on the object itself, so the result and the removal of our finalizer
+    /// are one write.
+    pub fn status_on_object(self) -> bool {
+        self != Flavour::Ours
+    }
+
+    /// The phase a canceled transfer ends in: Velero <= 1.16's CRDs have no Canceled, and a
+    /// cancel ends Failed (with a message that says it was canceled), as Velero's agent did.
+    pub fn canceled(self) -> Phase {
+        if self == Flavour::Velero116 {
+            Phase::Failed
+        } else {
+            Phase::Canceled
+        }
+    }
+
+    /// Whether the CRDs have every phase (Accepted, Canceling, Canceled among them).
+    pub fn all_phases(self) -> bool {
+        self != Flavour::Velero116
+    }
 }
 
 pub enum Backend {
@@ -242,6 +268,7 @@ impl Env {
         };
         match (&backend, served) {
             (Backend::StandIn(s), Flavour::Velero) => s.install_velero_crds().unwrap(),
+            (Backend::StandIn(s), Flavour::Velero116) => s.install_velero_116_crds().unwrap(),
             (Backend::StandIn(s), Flavour::Ours) => {
                 s.apply_crd_yaml(&podvolume_agent::crd::crds_yaml())
                     .unwrap();
@@ -464,14 +491,17 @@ impl Env {
         .unwrap();
     }
 
-    /// Sets `spec.cancel: true` as a user (or Velero) would.
+    /// Asks for a cancel as a user would: `spec.cancel: true` (Velero 1.17+, or Velero's server
+    /// at its start) on CRDs that have it, else what `kubectl podvolume cancel` writes (Velero
+    /// <= 1.16's CRDs have no `spec.cancel`; the API server would prune it).
     pub async fn cancel_pvb(&self, name: &str) {
+        let patch = if self.flavour.all_phases() {
+            json!({"spec": {"cancel": true}})
+        } else {
+            podvolume_agent::crd::cancel_patch()
+        };
         self.pvbs()
-            .patch(
-                name,
-                &PatchParams::default(),
-                &Patch::Merge(json!({"spec": {"cancel": true}})),
-            )
+            .patch(name, &PatchParams::default(), &Patch::Merge(patch))
             .await
             .unwrap();
     }
@@ -729,6 +759,8 @@ pub async fn served_flavour(client: &Client) -> Flavour {
                     .any(|r| r.name == "podvolumebackups/status");
                 return if status {
                     Flavour::Ours
+                } else if four_phases(client).await {
+                    Flavour::Velero116
                 } else {
                     Flavour::Velero
                 };
@@ -742,6 +774,31 @@ pub async fn served_flavour(client: &Client) -> Flavour {
     }
 }
 
+/// No status write of this agent was refused by the API server (422): its metrics count none
+/// and its log tells none.
+pub async fn assert_no_refused_writes(agent: &Agent) {
+    let (_, metrics) = agent.http_get("/metrics").await.expect("metrics");
+    assert!(
+        !metrics.contains("result=\"invalid\""),
+        "a status write was refused:\n{metrics}\n{}",
+        agent.logs()
+    );
+    assert!(
+        !agent.logs().contains("refused"),
+        "a refused write in the log:\n{}",
+        agent.logs()
+    );
+}
+
+/// Whether the PodVolumeBackup CRD's `status.phase` enum is Velero <= 1.16's four phases.
+async fn four_phases(client: &Client) -> bool {
+    use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+    use podvolume_agent::agent::phases::PhaseSet;
+    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
+    let crd = crds.get("podvolumebackups.velero.io").await.unwrap();
+    PhaseSet::of_crd(&crd).is_some_and(|set| !set.contains(Phase::Accepted))
+}
+
 /// Waits until a finished object is free of our finalizer, as the served flavour promises:
 /// with Velero's CRDs the result and the removal are one write, so the result itself must not
 /// carry it; with a status subresource the removal is a second request that follows shortly.
@@ -752,7 +809,9 @@ pub async fn assert_result_released(env: &Env, done: &PodVolumeBackup, logs: imp
             .any(|f| f == podvolume_agent::crd::FINALIZER)
     };
     match env.flavour {
-        Flavour::Velero => assert!(!ours(done), "finalizer left on the result\n{}", logs()),
+        Flavour::Velero | Flavour::Velero116 => {
+            assert!(!ours(done), "finalizer left on the result\n{}", logs())
+        }
         Flavour::Ours => {
             let name = done.name_any();
             let deadline = Instant::now() + Duration::from_secs(10);
