@@ -81,6 +81,8 @@ pub struct RestoreRequest {
     pub target: PathBuf,
     /// Download limit in KiB/s (restic `--limit-download`).
     pub limit_download_kib: Option<u64>,
+    /// kopia's restore settings (sparse files, parallel downloads).
+    pub kopia: kopia::RestoreOptions,
 }
 
 /// Starts operations. Detects the uploader version once and reuses it.
@@ -591,8 +593,26 @@ impl Engine {
         if cancel.is_cancelled() {
             return Outcome::canceled("canceled before the uploader started");
         }
+        let options = &req.options.kopia;
+        if let (true, Some(source)) = (options.keep_all_policy, &options.source) {
+            let set = self
+                .kopia_repository_command(
+                    kopia::policy_keep_all(&req.access, source),
+                    &tracking,
+                    cancel,
+                )
+                .await;
+            if !set.kind.is_success() {
+                let mut failed = set;
+                failed.message = format!(
+                    "cannot set the keep-everything policy on {source} (without it kopia's default retention could delete snapshots Velero still needs): {}",
+                    failed.message
+                );
+                return failed;
+            }
+        }
         self.kopia_run(
-            kopia::snapshot_create(&req.access, &req.source),
+            kopia::snapshot_create(&req.access, &req.source, &req.options.tags, options),
             Some(&req.source),
             Direction::Backup,
             &tracking,
@@ -638,7 +658,7 @@ impl Engine {
         }
         let mut outcome = self
             .kopia_run(
-                kopia::snapshot_restore(&req.access, &req.snapshot_id, &req.target),
+                kopia::snapshot_restore(&req.access, &req.snapshot_id, &req.target, &req.kopia),
                 Some(&req.target),
                 Direction::Restore,
                 &tracking,

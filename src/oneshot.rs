@@ -126,6 +126,7 @@ pub async fn backup(args: BackupArgs) -> i32 {
             limit_upload_kib: args.limit_upload,
             retry_lock: None,
             verbose: false,
+            kopia: Default::default(),
         },
     };
     let op = engine(&args.common).backup(req);
@@ -147,6 +148,7 @@ pub async fn restore(args: RestoreArgs) -> i32 {
         snapshot_id: args.snapshot.clone(),
         target,
         limit_download_kib: args.limit_download,
+        kopia: Default::default(),
     };
     let op = engine(&args.common).restore(req);
     drive(op, &args.common).await

@@ -143,6 +143,7 @@ fn restore_req(access: RepositoryAccess, id: &str, target: &Path) -> RestoreRequ
         snapshot_id: id.to_string(),
         target: target.to_path_buf(),
         limit_download_kib: None,
+        kopia: Default::default(),
     }
 }
 

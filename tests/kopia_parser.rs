@@ -373,7 +373,7 @@ fn double_repository_lifecycle() {
     );
 
     let run = bed.run(
-        &kopia::snapshot_create(&bed.access, &bed.path("src")).unwrap(),
+        &kopia::snapshot_create(&bed.access, &bed.path("src"), &[], &Default::default()).unwrap(),
         Direction::Backup,
     );
     assert_eq!(
@@ -397,7 +397,7 @@ fn double_repository_lifecycle() {
 
     // Backup: progress on stderr, manifest with the real size on stdout.
     let run = bed.run(
-        &kopia::snapshot_create(&bed.access, &bed.path("src")).unwrap(),
+        &kopia::snapshot_create(&bed.access, &bed.path("src"), &[], &Default::default()).unwrap(),
         Direction::Backup,
     );
     let p = run.progress();
@@ -412,7 +412,8 @@ fn double_repository_lifecycle() {
 
     // Restore into a new directory.
     let run = bed.run(
-        &kopia::snapshot_restore(&bed.access, &id, &bed.path("target")).unwrap(),
+        &kopia::snapshot_restore(&bed.access, &id, &bed.path("target"), &Default::default())
+            .unwrap(),
         Direction::Restore,
     );
     assert_monotonic(&run.progress());
@@ -441,7 +442,10 @@ fn double_partial_snapshot() {
             .success()
     );
     let out = bed
-        .command(&kopia::snapshot_create(&bed.access, &bed.path("src")).unwrap())
+        .command(
+            &kopia::snapshot_create(&bed.access, &bed.path("src"), &[], &Default::default())
+                .unwrap(),
+        )
         .env("FAKE_KOPIA_UNREADABLE", "sub/b")
         .output()
         .unwrap();
@@ -506,7 +510,10 @@ fn double_first_sigint_saves_a_canceled_snapshot_and_exits_zero() {
     );
     let pids_file = bed.path("pids");
     let child = bed
-        .command(&kopia::snapshot_create(&bed.access, &bed.path("src")).unwrap())
+        .command(
+            &kopia::snapshot_create(&bed.access, &bed.path("src"), &[], &Default::default())
+                .unwrap(),
+        )
         .env("FAKE_KOPIA_STEP_SECONDS", "0.5")
         .env("FAKE_KOPIA_PIDS_FILE", &pids_file)
         .stdout(Stdio::piped())
@@ -557,7 +564,10 @@ fn double_ignoring_signals_needs_sigkill_to_the_group() {
     );
     let pids_file = bed.path("pids");
     let mut child = bed
-        .command(&kopia::snapshot_create(&bed.access, &bed.path("src")).unwrap())
+        .command(
+            &kopia::snapshot_create(&bed.access, &bed.path("src"), &[], &Default::default())
+                .unwrap(),
+        )
         .env("FAKE_KOPIA_STEP_SECONDS", "0.5")
         .env("FAKE_KOPIA_IGNORE_SIGNALS", "1")
         .env("FAKE_KOPIA_PIDS_FILE", &pids_file)

@@ -94,6 +94,7 @@ async fn run(ctx: Arc<Context>, pvb: PodVolumeBackup, token: CancellationToken) 
         )
         .await;
 
+        let uploader = prepared.request.uploader;
         let op = ctx.engine.backup(prepared.request);
         ctx.registry.attach(&uid, op.clone());
         let reason = monitor(&ctx, &pvb, &mut w, &uid, &op, &token).await;
@@ -122,7 +123,9 @@ async fn run(ctx: Arc<Context>, pvb: PodVolumeBackup, token: CancellationToken) 
         status["phase"] = Value::String(phase.as_str().to_string());
         status["message"] = Value::String(message.clone());
         status["snapshotID"] = Value::String(outcome.snapshot_id.clone().unwrap_or_default());
-        if let Some(s) = &outcome.summary {
+        // restic's summary counts the bytes added; kopia's CLI prints only rounded figures of
+        // what it hashed, so nothing is claimed for it.
+        if let (UploaderKind::Restic, Some(s)) = (uploader, &outcome.summary) {
             status["incrementalBytes"] = json!(i64::try_from(s.bytes_added).unwrap_or(i64::MAX));
         }
         end(&ctx, &pvb, &mut w, status, started, progress.n_completed).await;
@@ -152,6 +155,7 @@ async fn prepare(ctx: &Context, pvb: &PodVolumeBackup) -> Result<Prepared, Strin
         uploader,
         &pvb.spec.backup_storage_location,
         &pvb.uid().unwrap_or_default(),
+        pvb.spec.pod.namespace.as_deref().unwrap_or_default(),
     )
     .await?;
     let tags: Vec<(String, String)> = pvb
@@ -186,10 +190,53 @@ async fn prepare(ctx: &Context, pvb: &PodVolumeBackup) -> Result<Prepared, Strin
                     .and_then(|v| v.parse().ok()),
                 retry_lock: None,
                 verbose: false,
+                kopia: kopia_options(pvb, uploader),
             },
         },
         location,
     })
+}
+
+/// How a kopia snapshot of a Velero 1.17+ PodVolumeBackup (empty `repoIdentifier`) is filed as
+/// Velero files its own: its source identity, description and pin, and Velero's keep-everything
+/// policy on that source. Unlike Velero (`FailFast`), an unreadable entry does not stop the
+/// snapshot: it is saved with everything readable and the backup reported Failed with the
+/// snapshot ID kept and the entries named (Velero's server restores a PodVolumeBackup that has a
+/// snapshot ID, whatever its phase).
+fn kopia_options(
+    pvb: &PodVolumeBackup,
+    uploader: UploaderKind,
+) -> crate::uploader::kopia::SnapshotOptions {
+    use super::kopia_repository as velero;
+    if uploader != UploaderKind::Kopia || !pvb.spec.repo_identifier.is_empty() {
+        return Default::default();
+    }
+    let claim_or_volume = pvb
+        .annotations()
+        .get(velero::PVC_NAME_ANNOTATION)
+        .filter(|c| !c.is_empty())
+        .cloned()
+        .unwrap_or_else(|| pvb.spec.volume.clone());
+    let setting = |k: &str| {
+        pvb.spec
+            .uploader_settings
+            .as_ref()
+            .and_then(|s| s.get(k))
+            .and_then(|v| v.parse().ok())
+            .filter(|n| *n > 0)
+    };
+    crate::uploader::kopia::SnapshotOptions {
+        source: Some(velero::velero_source(
+            pvb.spec.pod.namespace.as_deref().unwrap_or_default(),
+            pvb.spec.pod.name.as_deref().unwrap_or_default(),
+            &claim_or_volume,
+        )),
+        description: Some(velero::DESCRIPTION.to_string()),
+        pins: vec![velero::PIN.to_string()],
+        parallel: setting("ParallelFilesUpload"),
+        fail_fast: false,
+        keep_all_policy: true,
+    }
 }
 
 /// The snapshot of the most recent Completed backup of the same claim, storage location and

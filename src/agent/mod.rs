@@ -8,6 +8,7 @@
 
 pub mod admin;
 pub mod backup;
+pub mod kopia_repository;
 pub mod metrics;
 pub mod opsapi;
 pub mod phases;
@@ -105,10 +106,15 @@ pub async fn pod_volume_path(
 
 /// The repository, its password file and the storage location's access for one operation. The
 /// password comes from `--repo-password-file` or from the Secret, written to a private file in
-/// the scratch dir (the uploader reads it; it never travels in argv or logs). restic's access to
-/// object storage comes from the BackupStorageLocation `location` (see [`storage`]); kopia
-/// through the agent uses filesystem repositories only, which need none, so its location is not
-/// read. The returned [`storage::LocationAccess`] must live as long as the operation: dropping it
+/// the scratch dir (the uploader reads it; it never travels in argv or logs). Object storage
+/// access comes from the BackupStorageLocation `location` (see [`storage`]).
+///
+/// restic: the repository is `repo` (Velero writes its URL into `spec.repoIdentifier`). kopia
+/// with an empty `repo` (Velero 1.17+; every kopia PodVolumeBackup Velero creates): the
+/// repository Velero's server created for (`volume_namespace`, `location`), which must exist as
+/// a Ready BackupRepository, at `<prefix>/kopia/<volume_namespace>/` of the location (see
+/// [`kopia_repository`]). kopia with a `repo`: that local repository, no location read.
+/// The returned [`storage::LocationAccess`] must live as long as the operation: dropping it
 /// removes the operation's credentials files.
 pub async fn repository_access(
     ctx: &Context,
@@ -116,39 +122,61 @@ pub async fn repository_access(
     uploader: UploaderKind,
     location: &str,
     uid: &str,
+    volume_namespace: &str,
 ) -> Result<(RepositoryAccess, storage::LocationAccess), String> {
-    if repo.is_empty() {
+    let velero_kopia = uploader == UploaderKind::Kopia && repo.is_empty();
+    if repo.is_empty() && !velero_kopia {
         return Err("spec.repoIdentifier is empty: no repository to use".to_string());
     }
-    let location = match uploader {
-        UploaderKind::Restic => {
-            storage::location_access(
-                &ctx.client,
-                &ctx.args.namespace,
-                location,
-                &ctx.args.default_credentials_file,
-                &ctx.args.scratch_dir,
-                uid,
-            )
-            .await?
+    let mut location_access = if uploader == UploaderKind::Restic || velero_kopia {
+        storage::location_access(
+            &ctx.client,
+            &ctx.args.namespace,
+            location,
+            &ctx.args.default_credentials_file,
+            &ctx.args.scratch_dir,
+            uid,
+        )
+        .await?
+    } else {
+        storage::LocationAccess::default()
+    };
+    let repository = if velero_kopia {
+        let name = kopia_repository::ready_repository(
+            &ctx.client,
+            &ctx.args.namespace,
+            volume_namespace,
+            location,
+        )
+        .await?;
+        let what = format!("BackupStorageLocation {}/{location}", ctx.args.namespace);
+        let (url, region) =
+            kopia_repository::repository_location(&location_access.spec, &what, volume_namespace)?;
+        if let Some(r) = region {
+            location_access.extra_env.push(("AWS_REGION".into(), r));
         }
-        UploaderKind::Kopia => storage::LocationAccess::default(),
+        tracing::info!(backup_repository = %name, repository = %url, "Velero's kopia repository");
+        url
+    } else {
+        repo.to_string()
     };
     let password_file = match &ctx.args.repo_password_file {
         Some(f) => f.clone(),
-        None => secret_password_file(ctx).await?,
+        // Velero's kopia path trims the password (strings.TrimSpace); its restic path gave
+        // restic the value as stored.
+        None => secret_password_file(ctx, uploader == UploaderKind::Kopia).await?,
     };
-    let cache_dir = uploader_cache_dir(&ctx.args.scratch_dir, uploader, repo);
+    let cache_dir = uploader_cache_dir(&ctx.args.scratch_dir, uploader, &repository);
     Ok((
         RepositoryAccess {
-            repository: repo.to_string(),
+            repository,
             password_file,
             cache_dir,
-            extra_env: location.extra_env.clone(),
-            ca_cert: location.ca_cert.clone(),
-            insecure_tls: location.insecure_tls,
+            extra_env: location_access.extra_env.clone(),
+            ca_cert: location_access.ca_cert.clone(),
+            insecure_tls: location_access.insecure_tls,
         },
-        location,
+        location_access,
     ))
 }
 
@@ -179,7 +207,7 @@ pub fn outcome_message(
 const SECRET_NAME: &str = "velero-repo-credentials";
 const SECRET_KEY: &str = "repository-password";
 
-async fn secret_password_file(ctx: &Context) -> Result<PathBuf, String> {
+async fn secret_password_file(ctx: &Context, trim: bool) -> Result<PathBuf, String> {
     let secrets: Api<Secret> = Api::namespaced(ctx.client.clone(), &ctx.args.namespace);
     let secret = secrets
         .get_opt(SECRET_NAME)
@@ -202,8 +230,18 @@ async fn secret_password_file(ctx: &Context) -> Result<PathBuf, String> {
             )
         })?;
     let dir = ctx.args.scratch_dir.join("credentials");
-    write_private(&dir, "repository-password", &value.0)
-        .map_err(|e| format!("cannot write the password file: {e}"))
+    let value = if trim {
+        value.0.trim_ascii()
+    } else {
+        &value.0[..]
+    };
+    // Two names: operations of both uploaders run at once and each reads its own form.
+    let name = if trim {
+        "repository-password-trimmed"
+    } else {
+        "repository-password"
+    };
+    write_private(&dir, name, value).map_err(|e| format!("cannot write the password file: {e}"))
 }
 
 /// Where an uploader keeps its cache (and kopia its connection). restic keys its cache by
@@ -517,8 +555,18 @@ pub async fn run(args: RunArgs) -> i32 {
     let pvb_phases = Arc::new(phases::KindPhases::new("PodVolumeBackup"));
     let pvr_phases = Arc::new(phases::KindPhases::new("PodVolumeRestore"));
     let crd_watches = [
-        follow_crd_phases(client.clone(), "podvolumebackups.velero.io", pvb_phases.clone()).await,
-        follow_crd_phases(client.clone(), "podvolumerestores.velero.io", pvr_phases.clone()).await,
+        follow_crd_phases(
+            client.clone(),
+            "podvolumebackups.velero.io",
+            pvb_phases.clone(),
+        )
+        .await,
+        follow_crd_phases(
+            client.clone(),
+            "podvolumerestores.velero.io",
+            pvr_phases.clone(),
+        )
+        .await,
     ];
     let state = match StateDir::open(&args.state_dir) {
         Ok(s) => s,

@@ -211,6 +211,11 @@ async fn run(ctx: Arc<Context>, pvr: PodVolumeRestore, token: CancellationToken)
         };
         drop(location);
         if phase == Phase::Completed {
+            // What was restored reaches the disk before the pod is let start (Velero syncs
+            // the volume's filesystem too); a failure is logged, the data is there.
+            if let Err(e) = volume::flush(&target) {
+                tracing::warn!(target = %target.display(), error = %e, "could not flush the restored volume");
+            }
             // The handshake: without this file the restored pod's init container never finishes.
             match &restore_uid {
                 Some(ruid) => {
@@ -259,8 +264,16 @@ async fn prepare(
         uploader,
         &pvr.spec.backup_storage_location,
         &pvr.uid().unwrap_or_default(),
+        &pvr.spec.source_namespace,
     )
     .await?;
+    let setting = |k: &str| {
+        pvr.spec
+            .uploader_settings
+            .as_ref()
+            .and_then(|s| s.get(k))
+            .cloned()
+    };
     Ok((
         RestoreRequest {
             uploader,
@@ -268,6 +281,14 @@ async fn prepare(
             snapshot_id: pvr.spec.snapshot_id.clone(),
             target,
             limit_download_kib: None,
+            // Velero's uploaderSettings for a restore.
+            kopia: crate::uploader::kopia::RestoreOptions {
+                write_sparse_files: setting("WriteSparseFiles")
+                    .is_some_and(|v| v.eq_ignore_ascii_case("true")),
+                parallel: setting("ParallelFilesDownload")
+                    .and_then(|v| v.parse().ok())
+                    .filter(|n| *n > 0),
+            },
         },
         restore_uid(pvr),
         location,

@@ -16,8 +16,8 @@ use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::ObjectReference;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
-use kube::runtime::events::{Event, EventType, Recorder};
 use kube::api::{Patch, PatchParams};
+use kube::runtime::events::{Event, EventType, Recorder};
 use kube::{Api, Resource};
 use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
@@ -274,8 +274,9 @@ impl<K: VolumeObject> ObjectWriter<K> {
                 // refusal the adaptation cannot mend is returned, not retried for ever.
                 Err(kube::Error::Api(s))
                     if s.code == 422
-                        && PhaseSet::of_refusal(&s.message)
-                            .is_some_and(|set| self.phases.learn(set, "a refused status write")) =>
+                        && PhaseSet::of_refusal(&s.message).is_some_and(|set| {
+                            self.phases.learn(set, "a refused status write")
+                        }) =>
                 {
                     attempt += 1;
                     tracing::warn!(reason = %s.message, "status write refused (422); writing the phases the CRD allows");

@@ -30,6 +30,8 @@ pub struct StorageLocationSpec {
 #[derive(Debug, Clone, Default, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct ObjectStorage {
+    pub bucket: Option<String>,
+    pub prefix: Option<String>,
     /// Base64 PEM (deprecated in Velero, still common with MinIO).
     pub ca_cert: Option<String>,
     pub ca_cert_ref: Option<SecretKeyRef>,
@@ -75,6 +77,8 @@ pub struct LocationAccess {
     pub insecure_tls: bool,
     /// Secret values, for scrubbing messages; never printed.
     pub secrets: Vec<String>,
+    /// The location as read (kopia's repository is found from its bucket and prefix).
+    pub spec: StorageLocationSpec,
     files: Option<PrivateDir>,
 }
 
@@ -146,7 +150,9 @@ pub async fn location_access(
         location: &what,
     };
     let files = PrivateFiles::new(operations_dir(scratch_dir).join(safe_name(uid)));
-    build(&spec, &what, default_credentials_file, files, &secrets).await
+    let mut access = build(&spec, &what, default_credentials_file, files, &secrets).await?;
+    access.spec = spec;
+    Ok(access)
 }
 
 /// Secrets of the Velero namespace, read for one location (errors name both).

@@ -487,6 +487,13 @@ fn open_dir_nofollow(dirfd: Option<&OwnedFd>, path: &Path) -> Result<OwnedFd, Vo
     })
 }
 
+/// Commits the filesystem of `volume_path` to disk (`syncfs`): a restore's data is durable
+/// before its done file lets the pod start.
+pub fn flush(volume_path: &Path) -> std::io::Result<()> {
+    let dir = std::fs::File::open(volume_path)?;
+    nix::unistd::syncfs(&dir).map_err(std::io::Error::from)
+}
+
 /// Restore completion handshake: replaces `<volume_path>/.velero` with a fresh directory holding
 /// the empty file `<restore_uid>`, which Velero's restore-helper init container waits for.
 ///

@@ -33,6 +33,19 @@
 //! - `--progress` (a global flag): since 0.23 progress is off unless stdout is a terminal.
 //! - `snapshot restore` has no `--json`; it prints its progress with `--progress` and a final
 //!   `Restored N files, ...` line on stderr.
+//! - `--no-auto-maintenance` on every command that writes: kopia would otherwise run
+//!   maintenance after it when the connection's identity owns maintenance, and Velero owns its
+//!   repositories' maintenance (an error in it would also fail a saved snapshot).
+//!
+//! Repositories: a local path (`repository connect filesystem --path`), or object storage given
+//! as `s3:<http|https>://<host[:port]>/<bucket>[/<prefix>]` (restic's form; `s3:<host>/...`
+//! means https), connected with `repository connect s3 --endpoint --bucket --prefix` and the
+//! prefix ending in `/` as Velero's does (without it kopia reads another place). S3 keys come
+//! from `AWS_ACCESS_KEY_ID`/`AWS_SECRET_ACCESS_KEY`/`AWS_SESSION_TOKEN` (kopia's own variables),
+//! or from an AWS shared-credentials file (`AWS_SHARED_CREDENTIALS_FILE`, `AWS_PROFILE`), which
+//! kopia cannot read itself: its keys are passed in those variables, never in argv. The region
+//! is `AWS_REGION` (or `AWS_DEFAULT_REGION`); a private CA is `--root-ca-pem-path`, no
+//! verification `--disable-tls-verification`.
 
 use std::ffi::OsString;
 use std::fmt;
@@ -64,6 +77,13 @@ pub const SCRUBBED_ENV: &[&str] = &[
     "KOPIA_BYTES_STRING_BASE_2",
 ];
 
+/// Variables whose values are secrets: never shown by `Debug`.
+const SECRET_ENV: &[&str] = &[
+    "KOPIA_PASSWORD",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+];
+
 /// A kopia invocation: argv (without the program) and environment. The environment holds the
 /// repository password, so `Debug` redacts it.
 #[derive(Clone, Default)]
@@ -78,7 +98,7 @@ impl fmt::Debug for KopiaInvocation {
             .env
             .iter()
             .map(|(k, v)| {
-                let shown: &dyn fmt::Debug = if k == "KOPIA_PASSWORD" {
+                let shown: &dyn fmt::Debug = if SECRET_ENV.iter().any(|s| k == s) {
                     &"<redacted>"
                 } else {
                     v
@@ -162,17 +182,173 @@ fn base(access: &RepositoryAccess) -> Result<KopiaInvocation, Error> {
     })
 }
 
+/// Where a kopia repository lives.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Storage {
+    Filesystem(PathBuf),
+    S3 {
+        /// `host[:port]`.
+        endpoint: String,
+        tls: bool,
+        bucket: String,
+        /// Empty, or ending with `/`.
+        prefix: String,
+    },
+}
+
+impl Storage {
+    /// From a repository string: `s3:<scheme>://<host>/<bucket>[/<prefix>]` or a local path.
+    pub fn parse(repository: &str) -> Result<Storage, Error> {
+        let Some(rest) = repository.strip_prefix("s3:") else {
+            if repository.is_empty() {
+                return Err(Error::Invalid("the kopia repository is empty".into()));
+            }
+            return Ok(Storage::Filesystem(PathBuf::from(repository)));
+        };
+        let (tls, rest) = match rest.split_once("://") {
+            Some(("https", r)) => (true, r),
+            Some(("http", r)) => (false, r),
+            Some((scheme, _)) => {
+                return Err(Error::Invalid(format!(
+                    "kopia S3 repository: unsupported scheme {scheme:?} (http or https)"
+                )));
+            }
+            None => (true, rest),
+        };
+        let mut parts = rest.splitn(3, '/');
+        let endpoint = parts.next().unwrap_or_default().to_string();
+        let bucket = parts.next().unwrap_or_default().to_string();
+        let prefix = parts
+            .next()
+            .unwrap_or_default()
+            .trim_matches('/')
+            .to_string();
+        if endpoint.is_empty() || bucket.is_empty() {
+            return Err(Error::Invalid(
+                "kopia S3 repository: expected s3:https://<host[:port]>/<bucket>[/<prefix>]".into(),
+            ));
+        }
+        if endpoint.contains('@') {
+            return Err(Error::Invalid(
+                "kopia S3 repository: credentials do not go in the URL (use AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY)".into(),
+            ));
+        }
+        // Velero's prefixes end in '/': kopia joins the prefix to its blob names as given.
+        let prefix = if prefix.is_empty() {
+            prefix
+        } else {
+            format!("{prefix}/")
+        };
+        Ok(Storage::S3 {
+            endpoint,
+            tls,
+            bucket,
+            prefix,
+        })
+    }
+}
+
+/// The value of `name` in the access's extra environment, else in the agent's own.
+fn env_value(access: &RepositoryAccess, name: &str) -> Option<String> {
+    access
+        .extra_env
+        .iter()
+        .rev()
+        .find(|(k, _)| k == name)
+        .map(|(_, v)| v.clone())
+        .or_else(|| std::env::var(name).ok())
+        .filter(|v| !v.is_empty())
+}
+
+/// S3 keys for kopia's variables from an AWS shared-credentials file (INI: `[profile]` sections
+/// of `key = value`), which kopia cannot read. Nothing when the keys are already in the
+/// environment or no file is named.
+fn shared_credentials(access: &RepositoryAccess) -> Result<Vec<(OsString, OsString)>, Error> {
+    if env_value(access, "AWS_ACCESS_KEY_ID").is_some() {
+        return Ok(Vec::new());
+    }
+    let Some(file) = env_value(access, "AWS_SHARED_CREDENTIALS_FILE") else {
+        return Ok(Vec::new());
+    };
+    let profile = env_value(access, "AWS_PROFILE").unwrap_or_else(|| "default".into());
+    let text = std::fs::read_to_string(&file).map_err(|source| Error::Io {
+        what: "cannot read the AWS credentials file",
+        path: PathBuf::from(&file),
+        source,
+    })?;
+    let mut section = String::new();
+    let mut found = Vec::new();
+    for line in text.lines() {
+        let line = line.trim();
+        if let Some(name) = line.strip_prefix('[').and_then(|l| l.strip_suffix(']')) {
+            section = name.trim().trim_start_matches("profile ").to_string();
+            continue;
+        }
+        if section != profile {
+            continue;
+        }
+        if let Some((k, v)) = line.split_once('=') {
+            let var = match k.trim() {
+                "aws_access_key_id" => "AWS_ACCESS_KEY_ID",
+                "aws_secret_access_key" => "AWS_SECRET_ACCESS_KEY",
+                "aws_session_token" => "AWS_SESSION_TOKEN",
+                _ => continue,
+            };
+            found.push((OsString::from(var), OsString::from(v.trim())));
+        }
+    }
+    if found.is_empty() {
+        return Err(Error::Invalid(format!(
+            "the AWS credentials file has no keys for profile {profile:?}"
+        )));
+    }
+    Ok(found)
+}
+
 fn repository_command(access: &RepositoryAccess, verb: &str) -> Result<KopiaInvocation, Error> {
-    let mut path = OsString::from("--path=");
-    path.push(&access.repository);
     let mut cache = OsString::from("--cache-directory=");
     cache.push(kopia_dir(access).join("cache"));
-    Ok(base(access)?
-        .arg("repository")
-        .arg(verb)
-        .arg("filesystem")
-        .arg(path)
-        .arg(cache))
+    let mut inv = base(access)?.arg("repository").arg(verb);
+    match Storage::parse(&access.repository)? {
+        Storage::Filesystem(path) => {
+            let mut p = OsString::from("--path=");
+            p.push(path);
+            inv = inv.arg("filesystem").arg(p);
+        }
+        Storage::S3 {
+            endpoint,
+            tls,
+            bucket,
+            prefix,
+        } => {
+            inv.env.extend(shared_credentials(access)?);
+            inv = inv
+                .arg("s3")
+                .arg(format!("--endpoint={endpoint}"))
+                .arg(format!("--bucket={bucket}"))
+                .arg(format!("--prefix={prefix}"));
+            if let Some(region) =
+                env_value(access, "AWS_REGION").or_else(|| env_value(access, "AWS_DEFAULT_REGION"))
+            {
+                inv = inv.arg(format!("--region={region}"));
+            }
+            if !tls {
+                inv = inv.arg("--disable-tls");
+            }
+            if access.insecure_tls {
+                inv = inv.arg("--disable-tls-verification");
+            }
+            if let Some(ca) = &access.ca_cert {
+                let mut a = OsString::from("--root-ca-pem-path=");
+                a.push(ca);
+                inv = inv.arg(a);
+            }
+        }
+    }
+    if verb == "create" {
+        inv = inv.arg("--no-auto-maintenance");
+    }
+    Ok(inv.arg(cache))
 }
 
 /// `kopia repository connect filesystem --path=<repo>`: writes our private config file.
@@ -185,14 +361,73 @@ pub fn create(access: &RepositoryAccess) -> Result<KopiaInvocation, Error> {
     repository_command(access, "create")
 }
 
+/// What a snapshot records besides the data: Velero 1.17+ snapshots carry a source identity
+/// of their own (`default@default:snapshot-pod-volume/kopia/<ns>/<pod>/<volume>`), the
+/// description `Kopia Uploader` and the pin `velero-pin`.
+#[derive(Debug, Clone, Default)]
+pub struct SnapshotOptions {
+    /// `--override-source user@host:path`: the identity the snapshot is filed under (and the
+    /// previous snapshots kopia chooses a parent among).
+    pub source: Option<String>,
+    pub description: Option<String>,
+    pub pins: Vec<String>,
+    /// Files read at once (`--parallel`).
+    pub parallel: Option<u32>,
+    /// `--fail-fast`: stop at the first unreadable entry (Velero sets it).
+    pub fail_fast: bool,
+    /// Set Velero's keep-everything policy on the source before the snapshot: without a policy
+    /// of its own the source falls under kopia's default retention (10 latest, 48 hourly, ...),
+    /// which `snapshot create` applies at once and would delete snapshots Velero still needs.
+    pub keep_all_policy: bool,
+}
+
 /// `kopia snapshot create --json --progress <source>`: progress on stderr, manifest on stdout.
-pub fn snapshot_create(access: &RepositoryAccess, source: &Path) -> Result<KopiaInvocation, Error> {
-    Ok(base(access)?
+pub fn snapshot_create(
+    access: &RepositoryAccess,
+    source: &Path,
+    tags: &[(String, String)],
+    options: &SnapshotOptions,
+) -> Result<KopiaInvocation, Error> {
+    let mut inv = base(access)?
         .arg("snapshot")
         .arg("create")
         .arg("--json")
         .arg("--progress")
-        .arg(source.as_os_str()))
+        .arg("--no-auto-maintenance");
+    if let Some(s) = &options.source {
+        inv = inv.arg(format!("--override-source={s}"));
+    }
+    if let Some(d) = &options.description {
+        inv = inv.arg(format!("--description={d}"));
+    }
+    for p in &options.pins {
+        inv = inv.arg(format!("--pin={p}"));
+    }
+    for (k, v) in tags {
+        inv = inv.arg(format!("--tags={k}:{v}"));
+    }
+    if let Some(n) = options.parallel {
+        inv = inv.arg(format!("--parallel={n}"));
+    }
+    if options.fail_fast {
+        inv = inv.arg("--fail-fast");
+    }
+    Ok(inv.arg(source.as_os_str()))
+}
+
+/// Velero's per-source policy (keep everything, no compression, manual scheduling, unknown
+/// entry types ignored), set on `source` (`user@host:path`) before its snapshots.
+pub fn policy_keep_all(access: &RepositoryAccess, source: &str) -> Result<KopiaInvocation, Error> {
+    const KEEP: &str = "2147483647";
+    let mut inv = base(access)?.arg("policy").arg("set").arg(source);
+    for k in ["latest", "hourly", "daily", "weekly", "monthly", "annual"] {
+        inv = inv.arg(format!("--keep-{k}={KEEP}"));
+    }
+    Ok(inv
+        .arg("--compression=none")
+        .arg("--manual")
+        .arg("--ignore-unknown-types=true")
+        .arg("--no-auto-maintenance"))
 }
 
 /// The longest snapshot ID accepted for a restore: kopia's manifest IDs are 32 hex digits and its
@@ -211,6 +446,15 @@ pub fn check_snapshot_id(id: &str) -> Result<(), Error> {
     )
 }
 
+/// How a snapshot is written out (Velero's `uploaderSettings`).
+#[derive(Debug, Clone, Default)]
+pub struct RestoreOptions {
+    /// `--write-sparse-files` (`WriteSparseFiles: "true"`).
+    pub write_sparse_files: bool,
+    /// `--parallel` (`ParallelFilesDownload`).
+    pub parallel: Option<u32>,
+}
+
 /// `kopia snapshot restore --progress <id> <target>`. restore has no `--json`: progress and the
 /// final `Restored ...` line are text on stderr. Fails when `snapshot_id` is not a kopia ID (see
 /// [`check_snapshot_id`]).
@@ -218,14 +462,20 @@ pub fn snapshot_restore(
     access: &RepositoryAccess,
     snapshot_id: &str,
     target: &Path,
+    options: &RestoreOptions,
 ) -> Result<KopiaInvocation, Error> {
     check_snapshot_id(snapshot_id)?;
-    Ok(base(access)?
+    let mut inv = base(access)?
         .arg("snapshot")
         .arg("restore")
-        .arg("--progress")
-        .arg(snapshot_id)
-        .arg(target.as_os_str()))
+        .arg("--progress");
+    if options.write_sparse_files {
+        inv = inv.arg("--write-sparse-files");
+    }
+    if let Some(n) = options.parallel {
+        inv = inv.arg(format!("--parallel={n}"));
+    }
+    Ok(inv.arg(snapshot_id).arg(target.as_os_str()))
 }
 
 /// Parses kopia's human byte strings: `0 B`, `52.4 MB`, `1.2 GB`, `512 KB`/`kB`, and base 2
@@ -853,8 +1103,8 @@ mod tests {
         for inv in [
             connect(&acc).unwrap(),
             create(&acc).unwrap(),
-            snapshot_create(&acc, Path::new("/vol")).unwrap(),
-            snapshot_restore(&acc, "k123", Path::new("/target")).unwrap(),
+            snapshot_create(&acc, Path::new("/vol"), &[], &Default::default()).unwrap(),
+            snapshot_restore(&acc, "k123", Path::new("/target"), &Default::default()).unwrap(),
         ] {
             assert!(args(&inv).iter().all(|a| !a.contains("s3cret")));
             assert_eq!(env_of(&inv, "KOPIA_PASSWORD").unwrap(), "s3cret");
@@ -901,12 +1151,174 @@ mod tests {
         );
         assert_eq!(args(&create(&acc).unwrap())[1], "create");
         assert_eq!(
-            args(&snapshot_create(&acc, Path::new("/vol")).unwrap()),
-            ["snapshot", "create", "--json", "--progress", "/vol"]
+            args(&snapshot_create(&acc, Path::new("/vol"), &[], &Default::default()).unwrap()),
+            [
+                "snapshot",
+                "create",
+                "--json",
+                "--progress",
+                "--no-auto-maintenance",
+                "/vol"
+            ]
         );
         assert_eq!(
-            args(&snapshot_restore(&acc, "k123", Path::new("/target")).unwrap()),
+            args(
+                &snapshot_restore(&acc, "k123", Path::new("/target"), &Default::default()).unwrap()
+            ),
             ["snapshot", "restore", "--progress", "k123", "/target"]
+        );
+    }
+
+    #[test]
+    fn object_storage_repositories_connect_with_s3_flags_and_keys_in_the_environment() {
+        assert_eq!(
+            Storage::parse("s3:https://minio.example:9000/velero/prefix/kopia/ns").unwrap(),
+            Storage::S3 {
+                endpoint: "minio.example:9000".into(),
+                tls: true,
+                bucket: "velero".into(),
+                prefix: "prefix/kopia/ns/".into(),
+            }
+        );
+        assert_eq!(
+            Storage::parse("s3:http://10.0.0.1/b").unwrap(),
+            Storage::S3 {
+                endpoint: "10.0.0.1".into(),
+                tls: false,
+                bucket: "b".into(),
+                prefix: String::new(),
+            }
+        );
+        assert_eq!(
+            Storage::parse("/backups/repo").unwrap(),
+            Storage::Filesystem("/backups/repo".into())
+        );
+        for bad in ["s3:https://", "s3:ftp://h/b", "s3:https://k:s@h/b", ""] {
+            assert!(Storage::parse(bad).is_err(), "{bad}");
+        }
+
+        let dir = tempfile::tempdir().unwrap();
+        let creds = dir.path().join("cloud");
+        std::fs::write(
+            &creds,
+            "[default]\naws_access_key_id = AKIDEFAULT\naws_secret_access_key = s3cretdefault\n\
+             [backup]\naws_access_key_id=AKIBACKUP\naws_secret_access_key=s3cretbackup\n",
+        )
+        .unwrap();
+        let ca = dir.path().join("ca.pem");
+        let mut a = access(dir.path(), "pw");
+        a.repository = "s3:https://minio:9000/velero/kopia/ns/".into();
+        a.ca_cert = Some(ca.clone());
+        a.insecure_tls = true;
+        a.extra_env = vec![
+            (
+                "AWS_SHARED_CREDENTIALS_FILE".into(),
+                creds.display().to_string(),
+            ),
+            ("AWS_PROFILE".into(), "backup".into()),
+            ("AWS_REGION".into(), "minio".into()),
+        ];
+        let inv = connect(&a).unwrap();
+        let argv = args(&inv);
+        let cache_flag = format!(
+            "--cache-directory={}",
+            kopia_dir(&a).join("cache").display()
+        );
+        assert_eq!(
+            argv,
+            [
+                "repository",
+                "connect",
+                "s3",
+                "--endpoint=minio:9000",
+                "--bucket=velero",
+                "--prefix=kopia/ns/",
+                "--region=minio",
+                "--disable-tls-verification",
+                &format!("--root-ca-pem-path={}", ca.display()),
+                &cache_flag,
+            ]
+        );
+        assert!(
+            !argv
+                .iter()
+                .any(|a| a.contains("s3cret") || a.contains("AKI"))
+        );
+        assert_eq!(env_of(&inv, "AWS_ACCESS_KEY_ID").unwrap(), "AKIBACKUP");
+        assert_eq!(
+            env_of(&inv, "AWS_SECRET_ACCESS_KEY").unwrap(),
+            "s3cretbackup"
+        );
+        assert!(!format!("{inv:?}").contains("s3cretbackup"));
+        // A profile the file lacks is an error that names it, not a connect without keys.
+        a.extra_env[1].1 = "nope".into();
+        let err = connect(&a).unwrap_err().to_string();
+        assert!(err.contains("\"nope\""), "{err}");
+        // Keys already in the environment win over the file.
+        a.extra_env
+            .push(("AWS_ACCESS_KEY_ID".into(), "AKIENV".into()));
+        assert!(env_of(&connect(&a).unwrap(), "AWS_SECRET_ACCESS_KEY").is_none());
+        // Creating one: never maintained by whoever connects next.
+        a.extra_env.pop();
+        a.extra_env[1].1 = "default".into();
+        assert!(args(&create(&a).unwrap()).contains(&"--no-auto-maintenance".to_string()));
+    }
+
+    #[test]
+    fn velero_snapshots_carry_its_identity_pin_and_policy() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = access(dir.path(), "pw");
+        let options = SnapshotOptions {
+            source: Some("default@default:snapshot-pod-volume/kopia/ns/pod/data".into()),
+            description: Some("Kopia Uploader".into()),
+            pins: vec!["velero-pin".into()],
+            parallel: Some(4),
+            fail_fast: false,
+            keep_all_policy: true,
+        };
+        let tags = [("backup".to_string(), "b1".to_string())];
+        assert_eq!(
+            args(&snapshot_create(&a, Path::new("/vol"), &tags, &options).unwrap()),
+            [
+                "snapshot",
+                "create",
+                "--json",
+                "--progress",
+                "--no-auto-maintenance",
+                "--override-source=default@default:snapshot-pod-volume/kopia/ns/pod/data",
+                "--description=Kopia Uploader",
+                "--pin=velero-pin",
+                "--tags=backup:b1",
+                "--parallel=4",
+                "/vol"
+            ]
+        );
+        let policy = args(&policy_keep_all(&a, "default@default:x").unwrap());
+        assert_eq!(&policy[..3], ["policy", "set", "default@default:x"]);
+        for k in ["latest", "hourly", "daily", "weekly", "monthly", "annual"] {
+            assert!(
+                policy.contains(&format!("--keep-{k}=2147483647")),
+                "{policy:?}"
+            );
+        }
+        for f in ["--compression=none", "--manual", "--no-auto-maintenance"] {
+            assert!(policy.contains(&f.to_string()), "{policy:?}");
+        }
+        let restore = RestoreOptions {
+            write_sparse_files: true,
+            parallel: Some(2),
+        };
+        assert_eq!(
+            args(&snapshot_restore(&a, "k1", Path::new("/t"), &restore).unwrap()),
+            [
+                "snapshot",
+                "restore",
+                "--progress",
+                "--write-sparse-files",
+                "--parallel=2",
+                "k1",
+                "/t"
+            ]
         );
     }
 
@@ -919,7 +1331,7 @@ mod tests {
             "0123456789abcdef0123456789abcdef",
             "k0123456789abcdef",
         ] {
-            let inv = snapshot_restore(&a, good, Path::new("/t")).unwrap();
+            let inv = snapshot_restore(&a, good, Path::new("/t"), &Default::default()).unwrap();
             assert!(args(&inv).contains(&good.to_string()), "{good}");
         }
         let long = "a".repeat(MAX_SNAPSHOT_ID_LEN + 1);
@@ -932,7 +1344,7 @@ mod tests {
             "a1\nERROR forged",
             long.as_str(),
         ] {
-            let err = snapshot_restore(&a, bad, Path::new("/t"))
+            let err = snapshot_restore(&a, bad, Path::new("/t"), &Default::default())
                 .unwrap_err()
                 .to_string();
             assert!(
@@ -942,9 +1354,14 @@ mod tests {
             assert!(!err.contains('\n'), "the ID is shown escaped: {err}");
             assert!(err.len() < 200, "the ID is shown cut short: {err}");
         }
-        let err = snapshot_restore(&a, "--overwrite-files", Path::new("/t"))
-            .unwrap_err()
-            .to_string();
+        let err = snapshot_restore(
+            &a,
+            "--overwrite-files",
+            Path::new("/t"),
+            &Default::default(),
+        )
+        .unwrap_err()
+        .to_string();
         assert!(err.contains("\"--overwrite-files\""), "{err}");
     }
 
@@ -965,7 +1382,7 @@ mod tests {
         std::fs::write(&acc.password_file, "\n").unwrap();
         assert!(matches!(connect(&acc), Err(Error::Invalid(_))));
         acc.password_file = dir.path().join("missing");
-        let err = snapshot_create(&acc, Path::new("/vol")).unwrap_err();
+        let err = snapshot_create(&acc, Path::new("/vol"), &[], &Default::default()).unwrap_err();
         assert!(matches!(err, Error::Io { .. }));
         assert!(err.to_string().contains("password file"), "{err}");
     }

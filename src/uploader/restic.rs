@@ -114,6 +114,8 @@ pub struct BackupOptions {
     /// How long to wait for a lock held by someone else (restic >= 0.16 only).
     pub retry_lock: Option<Duration>,
     pub verbose: bool,
+    /// What only kopia records (its source identity, description, pins, policy).
+    pub kopia: crate::uploader::kopia::SnapshotOptions,
 }
 
 /// restic's printing rate for status lines: its own default for `--json` (60/s), the rate of

@@ -12,6 +12,8 @@ use podvolume_agent::uploader::{RepositoryAccess, UploaderKind};
 
 mod restic_under_test;
 pub use restic_under_test::*;
+mod kopia_under_test;
+pub use kopia_under_test::*;
 
 /// A scratch area with a source directory, a password file and a repository path.
 pub struct Bed {
@@ -200,6 +202,7 @@ pub fn restore_request(bed: &Bed, snapshot: &str, target: &Path) -> RestoreReque
         snapshot_id: snapshot.to_string(),
         target: target.to_path_buf(),
         limit_download_kib: None,
+        kopia: Default::default(),
     }
 }
 

@@ -1,0 +1,271 @@
+//! Velero's kopia repositories, as Velero 1.17+ lays them out: where the repository of a
+//! (volume namespace, storage location) is, how it is known to exist, and the identity Velero
+//! files pod volume snapshots under. The restic conventions (`repoIdentifier`) need none of this:
+//! Velero writes the repository URL into each PodVolumeBackup; for kopia it writes nothing and the
+//! node works it out from the BackupRepository and the BackupStorageLocation.
+//!
+//! The agent never creates, connects as owner of maintenance, maintains, expires or upgrades
+//! one of these repositories: Velero's server initialises it (its BackupRepository controller)
+//! before it creates any PodVolumeBackup, and runs its maintenance.
+
+use kube::api::{ApiResource, DynamicObject, GroupVersionKind, ListParams};
+use kube::{Api, Client};
+
+use super::storage::{Provider, StorageLocationSpec};
+
+pub const VOLUME_NAMESPACE_LABEL: &str = "velero.io/volume-namespace";
+pub const STORAGE_LOCATION_LABEL: &str = "velero.io/storage-location";
+pub const REPOSITORY_TYPE_LABEL: &str = "velero.io/repository-type";
+
+/// The identity (`user@host`) Velero's kopia uploader connects and files snapshots under.
+pub const VELERO_IDENTITY: &str = "default@default";
+/// Velero 1.17+'s requester name, the first part of a pod volume snapshot's source path.
+pub const REQUESTER: &str = "snapshot-pod-volume";
+/// The description and pin Velero puts on every pod volume snapshot (the pin keeps kopia's
+/// retention from deleting it).
+pub const DESCRIPTION: &str = "Kopia Uploader";
+pub const PIN: &str = "velero-pin";
+/// The annotation on a PodVolumeBackup that names the claim of a PVC volume.
+pub const PVC_NAME_ANNOTATION: &str = "velero.io/pvc-name";
+
+/// The source a Velero 1.17+ pod volume snapshot is filed under:
+/// `default@default:snapshot-pod-volume/kopia/<pod namespace>/<pod>/<claim, else volume>`.
+/// The path is relative, as Velero writes it; kopia keeps it verbatim.
+pub fn velero_source(pod_namespace: &str, pod: &str, claim_or_volume: &str) -> String {
+    format!("{VELERO_IDENTITY}:{REQUESTER}/kopia/{pod_namespace}/{pod}/{claim_or_volume}")
+}
+
+/// A label value as Velero writes it: values longer than 63 characters are shortened with a
+/// hash there, so they are not selected on here (the spec is compared instead).
+fn selectable(v: &str) -> bool {
+    !v.is_empty() && v.len() <= 63
+}
+
+/// The Ready kopia BackupRepository of (`volume_namespace`, `location`) in `namespace`; its name.
+/// Missing, several, or not Ready: an error naming what was looked for, and what Velero says.
+pub async fn ready_repository(
+    client: &Client,
+    namespace: &str,
+    volume_namespace: &str,
+    location: &str,
+) -> Result<String, String> {
+    let gvk = GroupVersionKind::gvk("velero.io", "v1", "BackupRepository");
+    let api: Api<DynamicObject> =
+        Api::namespaced_with(client.clone(), namespace, &ApiResource::from_gvk(&gvk));
+    let mut selector = vec![format!("{REPOSITORY_TYPE_LABEL}=kopia")];
+    if selectable(volume_namespace) {
+        selector.push(format!("{VOLUME_NAMESPACE_LABEL}={volume_namespace}"));
+    }
+    if selectable(location) {
+        selector.push(format!("{STORAGE_LOCATION_LABEL}={location}"));
+    }
+    let what = format!(
+        "the kopia BackupRepository of namespace {volume_namespace:?} and storage location {location:?} (in {namespace})"
+    );
+    let list = match api
+        .list(&ListParams::default().labels(&selector.join(",")))
+        .await
+    {
+        Ok(l) => l,
+        Err(kube::Error::Api(e)) if e.code == 404 => {
+            return Err(format!(
+                "{what}: the BackupRepository CRD is not installed (Velero 1.17+ creates kopia repositories through it)"
+            ));
+        }
+        Err(e) => return Err(format!("cannot list {what}: {e}")),
+    };
+    let field = |o: &DynamicObject, part: &str, name: &str| {
+        o.data[part][name].as_str().unwrap_or_default().to_string()
+    };
+    let matching: Vec<&DynamicObject> = list
+        .items
+        .iter()
+        .filter(|o| {
+            field(o, "spec", "volumeNamespace") == volume_namespace
+                && field(o, "spec", "backupStorageLocation") == location
+                && field(o, "spec", "repositoryType") == "kopia"
+        })
+        .collect();
+    let repo = match matching[..] {
+        [one] => one,
+        [] => {
+            return Err(format!(
+                "{what} does not exist: Velero's server creates it before the first pod volume backup of the namespace; this node agent does not create repositories"
+            ));
+        }
+        _ => {
+            let names: Vec<&str> = matching
+                .iter()
+                .filter_map(|o| o.metadata.name.as_deref())
+                .collect();
+            return Err(format!("{what}: several match ({})", names.join(", ")));
+        }
+    };
+    let name = repo.metadata.name.clone().unwrap_or_default();
+    match field(repo, "status", "phase").as_str() {
+        "Ready" => Ok(name),
+        phase => {
+            let message = field(repo, "status", "message");
+            let phase = if phase.is_empty() { "New" } else { phase };
+            Err(format!(
+                "BackupRepository {namespace}/{name} is {phase}, not Ready{}",
+                if message.is_empty() {
+                    String::new()
+                } else {
+                    format!(": {message}")
+                }
+            ))
+        }
+    }
+}
+
+/// Where Velero put the kopia repository of `volume_namespace` in the location `spec`, as the
+/// repository string the uploader module takes (`s3:https://<endpoint>/<bucket>/<prefix>/`), and
+/// the region (for `AWS_REGION`). The prefix is `<location prefix>/kopia/<namespace>/`, with the
+/// trailing slash Velero's layout needs. S3 and S3-compatible locations only: kopia's own Azure
+/// and GCS support differs from the way Velero reaches them (its Azure access is a patched
+/// client), which this agent does not reproduce.
+pub fn repository_location(
+    spec: &StorageLocationSpec,
+    what: &str,
+    volume_namespace: &str,
+) -> Result<(String, Option<String>), String> {
+    if Provider::of(spec) != Provider::Aws {
+        return Err(format!(
+            "{what}: provider {:?} is not supported for kopia by this node agent (S3 and S3-compatible locations are)",
+            spec.provider
+        ));
+    }
+    let storage = spec.object_storage.clone().unwrap_or_default();
+    let bucket = storage
+        .bucket
+        .or_else(|| spec.config.get("bucket").cloned())
+        .unwrap_or_default()
+        .trim_matches('/')
+        .to_string();
+    if bucket.is_empty() {
+        return Err(format!("{what}: no bucket (spec.objectStorage.bucket)"));
+    }
+    let prefix = storage
+        .prefix
+        .or_else(|| spec.config.get("prefix").cloned())
+        .unwrap_or_default()
+        .trim_matches('/')
+        .to_string();
+    let region = spec.config.get("region").filter(|r| !r.is_empty()).cloned();
+    let (scheme, endpoint) = match spec.config.get("s3Url").filter(|u| !u.is_empty()) {
+        Some(url) => {
+            let (scheme, rest) = url
+                .split_once("://")
+                .ok_or_else(|| format!("{what}: config.s3Url {url:?} is not a URL"))?;
+            let (host, path) = rest.split_once('/').unwrap_or((rest, ""));
+            if !path.trim_matches('/').is_empty() {
+                return Err(format!(
+                    "{what}: config.s3Url {url:?} has a path; Velero's kopia repositories need the bare endpoint"
+                ));
+            }
+            if host.is_empty() || !matches!(scheme, "http" | "https") {
+                return Err(format!(
+                    "{what}: config.s3Url {url:?} is not an http(s) URL"
+                ));
+            }
+            (scheme.to_string(), host.to_string())
+        }
+        None => {
+            let r = region
+                .as_deref()
+                .ok_or_else(|| format!("{what}: neither config.s3Url nor config.region is set"))?;
+            ("https".to_string(), format!("s3-{r}.amazonaws.com"))
+        }
+    };
+    let path = [prefix.as_str(), "kopia", volume_namespace]
+        .iter()
+        .filter(|p| !p.is_empty())
+        .copied()
+        .collect::<Vec<_>>()
+        .join("/");
+    Ok((format!("s3:{scheme}://{endpoint}/{bucket}/{path}/"), region))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(v: serde_json::Value) -> StorageLocationSpec {
+        serde_json::from_value(v).unwrap()
+    }
+
+    #[test]
+    fn the_repository_is_under_the_locations_prefix_per_namespace() {
+        let s = spec(serde_json::json!({
+            "provider": "aws",
+            "objectStorage": {"bucket": "/velero/", "prefix": "/cluster-a/"},
+            "config": {"region": "minio", "s3Url": "https://minio.example:9000"},
+        }));
+        assert_eq!(
+            repository_location(&s, "BSL", "app").unwrap(),
+            (
+                "s3:https://minio.example:9000/velero/cluster-a/kopia/app/".to_string(),
+                Some("minio".to_string())
+            )
+        );
+        let no_prefix = spec(serde_json::json!({
+            "provider": "velero.io/aws",
+            "objectStorage": {"bucket": "b"},
+            "config": {"region": "eu-west-1"},
+        }));
+        assert_eq!(
+            repository_location(&no_prefix, "BSL", "ns").unwrap().0,
+            "s3:https://s3-eu-west-1.amazonaws.com/b/kopia/ns/"
+        );
+        let http = spec(serde_json::json!({
+            "provider": "aws", "objectStorage": {"bucket": "b"},
+            "config": {"s3Url": "http://10.0.0.1:9000/"},
+        }));
+        assert_eq!(
+            repository_location(&http, "BSL", "ns").unwrap(),
+            ("s3:http://10.0.0.1:9000/b/kopia/ns/".to_string(), None)
+        );
+    }
+
+    #[test]
+    fn locations_the_agent_cannot_reach_as_velero_does_are_refused_with_the_reason() {
+        let azure =
+            spec(serde_json::json!({"provider": "azure", "objectStorage": {"bucket": "b"}}));
+        assert!(
+            repository_location(&azure, "BSL x", "ns")
+                .unwrap_err()
+                .contains("not supported for kopia")
+        );
+        let path = spec(serde_json::json!({
+            "provider": "aws", "objectStorage": {"bucket": "b"},
+            "config": {"s3Url": "https://h/sub"},
+        }));
+        assert!(
+            repository_location(&path, "BSL x", "ns")
+                .unwrap_err()
+                .contains("has a path")
+        );
+        let nothing =
+            spec(serde_json::json!({"provider": "aws", "objectStorage": {"bucket": "b"}}));
+        assert!(
+            repository_location(&nothing, "BSL x", "ns")
+                .unwrap_err()
+                .contains("neither config.s3Url nor config.region")
+        );
+        let no_bucket = spec(serde_json::json!({"provider": "aws", "config": {"region": "r"}}));
+        assert!(
+            repository_location(&no_bucket, "BSL x", "ns")
+                .unwrap_err()
+                .contains("no bucket")
+        );
+    }
+
+    #[test]
+    fn velero_117_source_identity() {
+        assert_eq!(
+            velero_source("app", "web-0", "data-web-0"),
+            "default@default:snapshot-pod-volume/kopia/app/web-0/data-web-0"
+        );
+    }
+}
