@@ -1121,6 +1121,13 @@ const NEEDS: &[(Scope, &str, &str, &str, Option<&str>)] = &[
     (
         Scope::Namespace,
         "velero.io",
+        "backuprepositories",
+        "list",
+        None,
+    ),
+    (
+        Scope::Namespace,
+        "velero.io",
         "backupstoragelocations",
         "get",
         None,

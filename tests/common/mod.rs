@@ -13,6 +13,7 @@ use podvolume_agent::uploader::{RepositoryAccess, UploaderKind};
 mod restic_under_test;
 pub use restic_under_test::*;
 mod kopia_under_test;
+#[allow(unused_imports)]
 pub use kopia_under_test::*;
 
 /// A scratch area with a source directory, a password file and a repository path.

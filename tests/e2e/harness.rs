@@ -23,6 +23,10 @@ use serde_json::json;
 #[path = "../common/restic_under_test.rs"]
 mod restic_under_test;
 pub use restic_under_test::*;
+#[path = "../common/kopia_under_test.rs"]
+mod kopia_under_test;
+#[allow(unused_imports)]
+pub use kopia_under_test::*;
 
 pub const NODE: &str = "e2e-node-a";
 pub const OTHER_NODE: &str = "e2e-node-b";
@@ -280,6 +284,10 @@ impl Env {
         // Every PVB/PVR names a BackupStorageLocation, which the agent reads.
         if let Backend::StandIn(s) = &backend {
             s.install_storage_location_crd().unwrap();
+            s.apply_crd_file(
+                podvolume_testbed::velero_crds_dir().join("velero.io_backuprepositories.yaml"),
+            )
+            .unwrap();
         }
         let flavour = served_flavour(&client).await;
         if flavour != requested {
@@ -740,10 +748,11 @@ fn is_uploader(cmd: &str) -> bool {
     let base = |a: &str| a.rsplit('/').next().unwrap_or("").to_string();
     let mut args = cmd.split(' ');
     let program = base(args.next().unwrap_or(""));
+    let uploader = |p: &str| p.starts_with("restic") || p.starts_with("kopia");
     if program == "sh" || program == "dash" || program == "bash" {
-        return args.next().is_some_and(|a| base(a).starts_with("restic"));
+        return args.next().is_some_and(|a| uploader(&base(a)));
     }
-    program.starts_with("restic")
+    uploader(&program)
 }
 
 /// Which CRD flavour the API server serves, from discovery as the agent reads it: the status

@@ -5,6 +5,7 @@
 //! the stand-in and say so when skipped.
 
 mod harness;
+mod kopia;
 #[path = "../s3/mod.rs"]
 mod s3;
 mod storage;
@@ -272,7 +273,12 @@ async fn cancel_mid_backup(flavour: Flavour) {
         .await;
     // How fast is measured by the benchmark (case 4b), not asserted here.
     let st = status(&done);
-    assert_eq!(st.phase, Some(flavour.canceled()), "{st:?}\n{}", agent.logs());
+    assert_eq!(
+        st.phase,
+        Some(flavour.canceled()),
+        "{st:?}\n{}",
+        agent.logs()
+    );
     assert!(
         st.message.as_deref().unwrap_or("").starts_with("cancel"),
         "{:?}",
