@@ -524,6 +524,7 @@ async fn cancel_mid_kopia_backup_ends_canceled_with_no_kopia_left() {
         !env.uploader_processes().is_empty(),
         "kopia should be running"
     );
+    let rec = env.record(env.pvbs(), "pvb-kcancel");
     env.cancel_pvb("pvb-kcancel").await;
     let done = env
         .wait_pvb(
@@ -540,10 +541,17 @@ async fn cancel_mid_kopia_backup_ends_canceled_with_no_kopia_left() {
         "{:?}",
         env.uploader_processes()
     );
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        rec.versions()
+            .iter()
+            .any(|v| v.status.as_ref().and_then(|s| s.phase) == Some(Phase::Canceling)),
+        "Canceling was never shown"
+    );
     // kopia's own partial snapshot is in the repository, marked incomplete: not a result.
     let listed = velero.snapshots(&env.app_ns);
     assert!(
-        listed.iter().all(|m| m.get("incomplete").is_some()),
+        !listed.is_empty() && listed.iter().all(|m| m["incomplete"] == "canceled"),
         "{listed:#?}"
     );
     env.cleanup().await;
