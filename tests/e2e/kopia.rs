@@ -548,10 +548,11 @@ async fn cancel_mid_kopia_backup_ends_canceled_with_no_kopia_left() {
             .any(|v| v.status.as_ref().and_then(|s| s.phase) == Some(Phase::Canceling)),
         "Canceling was never shown"
     );
-    // kopia's own partial snapshot is in the repository, marked incomplete: not a result.
+    // What kopia saved on SIGINT, if it finished saving within the agent's --cancel-grace
+    // (throttled, it may not: then SIGKILL), is marked incomplete: never a complete snapshot.
     let listed = velero.snapshots(&env.app_ns);
     assert!(
-        !listed.is_empty() && listed.iter().all(|m| m["incomplete"] == "canceled"),
+        listed.iter().all(|m| m.get("incomplete").is_some()),
         "{listed:#?}"
     );
     env.cleanup().await;
