@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The test command. Installs what the tests need when it is missing, then runs every test with
-# Debian's restic (on PATH), and the suites that exercise restic's own behaviour a second time
-# with restic 0.18 (Debian trixie's package, unpacked under target/test-tools/).
+# Debian's restic (on PATH) and kopia 0.22.3, the suites that exercise restic's own behaviour a
+# second time with restic 0.18 (Debian trixie's package, unpacked under target/test-tools/), and
+# the kopia suites once more with each other pinned kopia (built from the Go module proxy by
+# scripts/install-kopia.sh, cached machine-wide).
 #
 #   scripts/test.sh
 #
@@ -14,6 +16,7 @@ export DEBIAN_FRONTEND=noninteractive
 started=$(date +%s)
 
 command -v cargo >/dev/null || { echo "test.sh: cargo is missing (install Rust: https://rustup.rs)" >&2; exit 1; }
+command -v go >/dev/null || { echo "test.sh: go is missing (Go 1.26 builds kopia from the Go module proxy)" >&2; exit 1; }
 
 # restic: the uploader under test (Debian's, 0.14 on bookworm). rclone: `rclone serve restic`, a
 # real REST repository server. util-linux: setpriv. curl, gpgv, xz-utils, debian-archive-keyring:
@@ -41,6 +44,12 @@ fi
 # The S3 server of the object-storage tests (moto, in a venv under target/test-tools/).
 scripts/install-moto.sh
 restic_new=$(scripts/fetch-restic-trixie.sh)
+# kopia: every pinned version (a few minutes each the first time on a machine, then nothing).
+declare -A kopia_at=()
+while read -r version path; do kopia_at[$version]=$path; done < <(scripts/install-kopia.sh)
+kopia_main=0.22.3 # Velero 1.18's kopia base: the whole suite runs with it
+[ -n "${kopia_at[$kopia_main]:-}" ] || { echo "test.sh: kopia $kopia_main was not installed" >&2; exit 1; }
+export PODVOLUME_TEST_KOPIA=${kopia_at[$kopia_main]} PODVOLUME_TEST_KOPIA_VERSION=$kopia_main
 
 run() { echo "+ $*"; "$@"; }
 # Every cargo invocation is bounded: a hung test must fail this script with a message well
@@ -59,9 +68,22 @@ bounded() {
 }
 
 # Pass 1: every test, restic from PATH.
-echo "== pass 1: every test with $(restic version) ($(command -v restic)) =="
+echo "== pass 1: every test with $(restic version) ($(command -v restic)) and kopia $("$PODVOLUME_TEST_KOPIA" --version) =="
 bounded 2400 cargo test --workspace --no-fail-fast
 run cargo test --test restic_engine --test cli --test s3_cli --test e2e -- --show-output restic_under_test
+run cargo test --test kopia_engine --test kopia_parser --test e2e -- --show-output kopia_under_test
+
+# The kopia suites again with every other pinned kopia: the engine and parser whole, and the
+# end-to-end kopia cases (tests/e2e/kopia.rs).
+for version in "${!kopia_at[@]}"; do
+  [ "$version" = "$kopia_main" ] && continue
+  export PODVOLUME_TEST_KOPIA=${kopia_at[$version]} PODVOLUME_TEST_KOPIA_VERSION=$version
+  echo "== kopia pass: kopia suites with kopia $("$PODVOLUME_TEST_KOPIA" --version) ($PODVOLUME_TEST_KOPIA) =="
+  bounded 1200 cargo test --test kopia_engine --test kopia_parser
+  bounded 1200 cargo test --test e2e -- kopia::
+  run cargo test --test kopia_engine --test kopia_parser --test e2e -- --show-output kopia_under_test
+done
+export PODVOLUME_TEST_KOPIA=${kopia_at[$kopia_main]} PODVOLUME_TEST_KOPIA_VERSION=$kopia_main
 
 # Pass 2: what depends on restic's own behaviour, with 0.18: the engine (backup, incremental,
 # exit 3, wrong password, missing repository, empty source, cancel, restore, locks), the CLI
@@ -80,4 +102,4 @@ bounded 1200 cargo test --test e2e -- backup_with_progress cancel_mid_backup del
   two_locations missing_repository_is_created
 run cargo test --test restic_engine --test cli --test s3_cli --test e2e -- --show-output restic_under_test
 
-echo "== all tests passed with restic $(restic version | awk '{print $2}') and $PODVOLUME_TEST_RESTIC_VERSION in $(($(date +%s) - started)) s =="
+echo "== all tests passed with restic $(restic version | awk '{print $2}') and $PODVOLUME_TEST_RESTIC_VERSION, kopia ${!kopia_at[*]} in $(($(date +%s) - started)) s =="

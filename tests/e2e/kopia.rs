@@ -557,3 +557,9 @@ async fn cancel_mid_kopia_backup_ends_canceled_with_no_kopia_left() {
     );
     env.cleanup().await;
 }
+
+/// The kopia this run is labelled with is the one it runs; the log says which.
+#[test]
+fn kopia_under_test() {
+    assert_requested_kopia_version();
+}
