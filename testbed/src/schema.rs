@@ -140,7 +140,11 @@ pub(crate) fn enum_violation(obj: &Value, schema: &Value) -> Option<String> {
                     .get("properties")
                     .and_then(|p| p.get(k))
                     .or_else(|| schema.get("additionalProperties").filter(|a| a.is_object()))?;
-                let p = if path.is_empty() { k.clone() } else { format!("{path}.{k}") };
+                let p = if path.is_empty() {
+                    k.clone()
+                } else {
+                    format!("{path}.{k}")
+                };
                 walk(v, sub, &p)
             }),
             Value::Array(items) => {
@@ -202,7 +206,9 @@ mod tests {
         let bad = json!({"status": {"phase": "Accepted"}});
         assert_eq!(
             enum_violation(&bad, &schema).as_deref(),
-            Some(r#"status.phase: Unsupported value: "Accepted": supported values: "New", "InProgress", "Completed", "Failed""#)
+            Some(
+                r#"status.phase: Unsupported value: "Accepted": supported values: "New", "InProgress", "Completed", "Failed""#
+            )
         );
     }
 }
