@@ -233,11 +233,7 @@ impl ProgressView {
             return ProgressView::Lines { last: None };
         }
         let bar = ProgressBar::with_draw_target(Some(0), ProgressDrawTarget::stderr());
-        bar.set_style(
-            ProgressStyle::with_template("{spinner:.green} [{elapsed_precise}] [{wide_bar:.cyan/blue}] {bytes}/{total_bytes}\n  {msg}")
-                .unwrap_or_else(|_| ProgressStyle::default_bar())
-                .progress_chars("=> "),
-        );
+        bar.set_style(unknown_total_style());
         bar.enable_steady_tick(Duration::from_millis(200));
         ProgressView::Bar(bar)
     }
@@ -251,6 +247,13 @@ impl ProgressView {
                 }
             }
             ProgressView::Bar(bar) => {
+                // While connecting or scanning the total is only "at least what was found so
+                // far": a bar would be drawn full. A spinner with the bytes says what is known.
+                bar.set_style(if total_known(p) {
+                    known_total_style()
+                } else {
+                    unknown_total_style()
+                });
                 bar.set_length(p.n_total);
                 bar.set_position(p.n_completed);
                 bar.set_message(p.description.clone());
@@ -284,6 +287,26 @@ impl ProgressView {
     }
 }
 
+/// Whether the operation's total is final: not while it connects or its uploader is still
+/// finding what there is (the description's stage says so).
+fn total_known(p: &OperationProgress) -> bool {
+    p.n_total > 0
+        && !(p.description.starts_with("connecting") || p.description.starts_with("scanning"))
+}
+
+fn known_total_style() -> ProgressStyle {
+    ProgressStyle::with_template(
+        "{spinner:.green} [{elapsed_precise}] [{wide_bar:.cyan/blue}] {bytes}/{total_bytes}\n  {msg}",
+    )
+    .unwrap_or_else(|_| ProgressStyle::default_bar())
+    .progress_chars("=> ")
+}
+
+fn unknown_total_style() -> ProgressStyle {
+    ProgressStyle::with_template("{spinner:.green} [{elapsed_precise}] {bytes} so far\n  {msg}")
+        .unwrap_or_else(|_| ProgressStyle::default_spinner())
+}
+
 fn print_json(p: &OperationProgress) {
     let mut out = std::io::stdout().lock();
     if let Ok(s) = serde_json::to_string(p) {
@@ -295,6 +318,20 @@ fn print_json(p: &OperationProgress) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn no_bar_until_the_total_is_known() {
+        let mut p = OperationProgress::new(std::time::SystemTime::now());
+        p.description = "connecting".into();
+        assert!(!total_known(&p));
+        p.n_total = 100;
+        p.n_completed = 100;
+        p.description = "scanning: 100 B processed of at least 100 B found so far".into();
+        assert!(!total_known(&p), "a full bar before anything is known");
+        p.n_total = 1000;
+        p.description = "uploading: 100 B of 1000 B (10.0%)".into();
+        assert!(total_known(&p));
+    }
 
     #[test]
     fn relative_local_repositories_are_made_absolute_remote_ones_kept() {
