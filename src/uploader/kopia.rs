@@ -483,7 +483,8 @@ pub fn snapshot_restore(
 ///
 /// kopia rounds sizes to the printed precision, so a figure stands for a range of byte counts and
 /// this returns the *smallest* of them: half a unit of the last printed digit below the figure
-/// (`1.3 MB` -> 1,250,000; `2 MiB` -> 1.5 MiB; plain bytes are exact). Progress built from these
+/// (`1.3 MB` -> 1,250,000; `2 MiB`, kopia's 2.0 with `.0` trimmed, -> 1.95 MiB; plain bytes are
+/// exact). Progress built from these
 /// values never exceeds the exact size the snapshot manifest reports at the end, so it never has to
 /// go backwards. Exact integer arithmetic (no floats); `None` for anything else or when that
 /// smallest value is above `u64::MAX`.
@@ -514,7 +515,9 @@ pub fn parse_si_bytes(s: &str) -> Option<u64> {
     // Digits beyond 18 decimals cannot matter for a byte count.
     let frac_digits = &frac_part[..frac_part.len().min(18)];
     let (frac, scale): (u128, u128) = if frac_digits.is_empty() {
-        (0, 1)
+        // kopia prints every size with one decimal and trims a trailing `.0` (`niceNumber`):
+        // `201 MB` is 201.0 MB, at least 200.95 MB, not 200.5 MB. Plain bytes are exact.
+        if multiplier == 1 { (0, 1) } else { (0, 10) }
     } else {
         (
             frac_digits.parse().ok()?,
@@ -784,13 +787,12 @@ fn backup_progress(body: &str) -> Option<ProgressSample> {
     let cached_bytes = c.paren_bytes()?;
     c.lit(", uploaded ")?;
     c.bytes()?;
-    if c.try_lit(" (") {
+    // ` (<N> fatal errors)` and ` (<N> errors ignored)`, each optional.
+    while c.try_lit(" (") {
         c.count()?;
-        c.lit(" fatal errors)")?;
-    }
-    if c.try_lit(" (") {
-        c.count()?;
-        c.lit(" errors ignored)")?;
+        if !(c.try_lit(" fatal errors)") || c.try_lit(" errors ignored)")) {
+            return None;
+        }
     }
     let estimated = if c.try_lit(", estimating...") {
         None
@@ -897,13 +899,16 @@ pub fn classify(exit: ExitInfo, facts: &RunFacts, stopped: bool, direction: Dire
         .max(summary.map_or(0, |s| s.failed_items));
     let manifest_failed = summary.is_some_and(|s| s.failed_items > 0);
     let backup = direction == Direction::Backup;
+    // `--fail-fast`: kopia stops itself at the first unreadable entry, saves what it has as
+    // `incomplete: canceled` and exits 1; a signal's stop exits 0.
+    let fail_fast_stop = exit.code == Some(1) && failed_items > 0;
 
     let kind = match (exit.code, exit.signal) {
         // A manifest marked incomplete is never a complete backup, whatever the exit code.
         _ if backup && incomplete.is_some() => {
             if stopped {
                 OutcomeKind::Canceled
-            } else if incomplete == Some("canceled") {
+            } else if incomplete == Some("canceled") && !fail_fast_stop {
                 OutcomeKind::Interrupted
             } else {
                 OutcomeKind::Failed
@@ -943,6 +948,10 @@ pub fn classify(exit: ExitInfo, facts: &RunFacts, stopped: bool, direction: Dire
             };
             match kind {
                 OutcomeKind::Canceled => format!("canceled; {saved} (incomplete: {reason})"),
+                OutcomeKind::Failed if fail_fast_stop => format!(
+                    "kopia stopped at the first unreadable item (fail-fast): {}; {saved} (incomplete: {reason}), which is not a result",
+                    unreadable_items(failed_items, facts)
+                ),
                 OutcomeKind::Interrupted => format!(
                     "{saved} (incomplete: {reason}): kopia was interrupted by a signal we did not send"
                 ),
@@ -1042,9 +1051,14 @@ pub fn partial_message(snapshot_id: Option<&str>, failed: u64, facts: &RunFacts)
     if failed == 0 {
         return format!("{saved}, but some source data could not be read");
     }
+    format!("{saved}, but {}", unreadable_items(failed, facts))
+}
+
+/// `<N> item(s) could not be read[: <the first ones, with their errors>[ and <M> more]]`.
+fn unreadable_items(failed: u64, facts: &RunFacts) -> String {
     let listed: Vec<String> = facts.first_failed_items.iter().map(describe_item).collect();
     let mut msg = format!(
-        "{saved}, but {failed} item{} could not be read",
+        "{failed} item{} could not be read",
         if failed == 1 { "" } else { "s" }
     );
     if !listed.is_empty() {
@@ -1396,21 +1410,22 @@ mod tests {
             // Half a unit of the last printed digit below the figure.
             ("52.4 MB", Some(52_400_000 - 50_000)),
             ("1.2 GB", Some(1_200_000_000 - 50_000_000)),
-            ("512 KB", Some(512_000 - 500)),
-            ("512 kB", Some(512_000 - 500)),
+            ("512 KB", Some(512_000 - 50)),
+            ("512 kB", Some(512_000 - 50)),
             ("0.9 KB", Some(900 - 50)),
-            ("3 TB", Some(3_000_000_000_000 - 500_000_000_000)),
+            ("3 TB", Some(3_000_000_000_000 - 50_000_000_000)),
             ("0.0 KB", Some(0)),
             ("0.1 KB", Some(50)),
             ("1.30 MB", Some(1_300_000 - 5_000)),
             // 1536 - 51.2 = 1484.8: the smallest whole byte count is 1485.
             ("1.5 KiB", Some(1485)),
-            ("2 MiB", Some(2 * 1024 * 1024 - 512 * 1024)),
+            // A whole figure is kopia's one decimal with `.0` trimmed: 2.0 MiB less 0.05 MiB.
+            ("2 MiB", Some(2_044_724)),
             // 1.1 GiB = 1_181_116_006.4, less 1/20 GiB = 53_687_091.2: 1_127_428_915.2, rounded up.
             ("1.1 GiB", Some(1_127_428_916)),
-            ("4 EB", Some(3_500_000_000_000_000_000)),
-            // 16 EiB overflows u64, but the smallest value it stands for (15.5 EiB) does not.
-            ("16 EiB", Some(15 * (1 << 60) + (1 << 59))),
+            ("4 EB", Some(3_950_000_000_000_000_000)),
+            // 16 EiB overflows u64, but the smallest value it stands for (15.95 EiB) does not.
+            ("16 EiB", Some(18_389_097_998_479_209_268)),
             ("17 EiB", None),
             ("18.4 EB", Some(18_350_000_000_000_000_000)),
             // 18.45e18 > u64::MAX.
@@ -1458,8 +1473,8 @@ mod tests {
         assert_eq!(
             p.parse(b" \\ 0 hashing, 5 hashed (1 MB), 0 cached (0 B), uploaded 1 MB (2 fatal errors) (1 errors ignored), estimated 2.5 MB (40.0%) 3s left"),
             UploaderEvent::Progress(ProgressSample {
-                // "1 MB" could be anything from 0.5 MB; "2.5 MB" from 2.45 MB.
-                bytes_done: 500_000,
+                // "1 MB" is kopia's 1.0 MB, at least 0.95 MB; "2.5 MB" from 2.45 MB.
+                bytes_done: 950_000,
                 total_bytes: Some(2_450_000),
                 files_done: 5,
                 total_files: None,
@@ -1470,10 +1485,10 @@ mod tests {
         assert_eq!(
             p.parse(b" * 0 hashing, 7 hashed (3.1 MiB), 1 cached (1 KiB), uploaded 3 MiB, estimated 3 MiB (104.2%) 0s left"),
             UploaderEvent::Progress(ProgressSample {
-                // 3.1 MiB - 0.05 MiB = 3_198_156.8 -> 3_198_157; 1 KiB - 0.5 KiB = 512.
-                bytes_done: 3_198_157 + 512,
-                // 3 MiB - 0.5 MiB.
-                total_bytes: Some(2_621_440),
+                // 3.1 MiB - 0.05 MiB = 3_198_156.8 -> 3_198_157; 1.0 KiB - 0.05 KiB = 972.8 -> 973.
+                bytes_done: 3_198_157 + 973,
+                // 3.0 MiB - 0.05 MiB.
+                total_bytes: Some(3_093_300),
                 files_done: 8,
                 total_files: None,
                 scan_finished: true,
@@ -1591,7 +1606,7 @@ mod tests {
             p.parse(b"Processed 3 (1.5 MB) of 10 (6 MB)."),
             UploaderEvent::Progress(ProgressSample {
                 bytes_done: 1_450_000,
-                total_bytes: Some(5_500_000),
+                total_bytes: Some(5_950_000),
                 files_done: 3,
                 total_files: Some(10),
                 scan_finished: false,
@@ -1600,9 +1615,9 @@ mod tests {
         assert_eq!(
             p.parse(b"Processed 9 (4 MB) of 10 (6 MB), skipped 2 (1 MB), ignored 1 errors 2 MB/s (83.3%) remaining 1s.   "),
             UploaderEvent::Progress(ProgressSample {
-                // Restored "4 MB" (>= 3.5 MB) plus skipped "1 MB" (>= 0.5 MB).
-                bytes_done: 3_500_000 + 500_000,
-                total_bytes: Some(5_500_000),
+                // Restored "4 MB" (4.0, >= 3.95 MB) plus skipped "1 MB" (>= 0.95 MB).
+                bytes_done: 3_950_000 + 950_000,
+                total_bytes: Some(5_950_000),
                 files_done: 9,
                 total_files: Some(10),
                 scan_finished: true,
@@ -1619,8 +1634,8 @@ mod tests {
         assert_eq!(
             p.parse(b"Restored 2 files, 1 directories and 0 symbolic links (1 MB), skipped 3 (2 MB), ignored 1 errors."),
             UploaderEvent::Summary(RunSummary {
-                // "1 MB" restored (>= 0.5 MB) plus "2 MB" skipped (>= 1.5 MB).
-                total_bytes: 500_000 + 1_500_000,
+                // "1 MB" restored (>= 0.95 MB) plus "2 MB" skipped (>= 1.95 MB).
+                total_bytes: 950_000 + 1_950_000,
                 total_files: 5,
                 ..RunSummary::default()
             })
@@ -1674,11 +1689,11 @@ mod tests {
         let o = classify(ExitInfo::code(0), &f, false, Direction::Restore);
         assert_eq!(o.kind, OutcomeKind::Success);
         assert_eq!(o.snapshot_id, None);
-        // "2 MB" is at least 1.5 MB (1.43 MiB); the engine replaces it with the measured size.
+        // "2 MB" is at least 1.95 MB (1.86 MiB); the engine replaces it with the measured size.
         let summary = o.summary.clone().unwrap();
-        assert_eq!((summary.total_bytes, summary.total_files), (1_500_000, 4));
-        assert_eq!(o.message, "restore completed: 1.4 MiB in 4 files");
-        assert_eq!(o.message, restore_message(1_500_000, 4));
+        assert_eq!((summary.total_bytes, summary.total_files), (1_950_000, 4));
+        assert_eq!(o.message, "restore completed: 1.9 MiB in 4 files");
+        assert_eq!(o.message, restore_message(1_950_000, 4));
     }
 
     #[test]
@@ -1847,10 +1862,10 @@ mod tests {
         // Values that kopia rounds up: the parsed figure must not exceed them.
         for (b, text, want) in [
             (1_260_000, "1.3 MB", 1_250_000),
-            (1_960_000, "2 MB", 1_500_000),
-            (899_999, "900 KB", 899_500),
+            (1_960_000, "2 MB", 1_950_000),
+            (899_999, "900 KB", 899_950),
             (950_000, "0.9 MB", 850_000),
-            (999, "1 KB", 500),
+            (999, "1 KB", 950),
             (899, "899 B", 899),
         ] {
             assert_eq!(kopia_bytes_string(b, false), text);
@@ -1905,10 +1920,15 @@ mod tests {
 
         #[test]
         fn si_bytes_is_a_lower_bound_of_integers(n in 0u64..1_000_000_000, unit in prop::sample::select(vec![("B", 1u64), ("KB", 1000), ("kB", 1000), ("MB", 1_000_000), ("KiB", 1024), ("MiB", 1 << 20), ("GiB", 1 << 30)])) {
-            // The smallest value the printed figure could stand for: half a unit below it (plain
-            // bytes and zero are exact).
+            // The smallest value the printed figure could stand for: kopia's whole figures are one
+            // decimal with `.0` trimmed, so half a tenth of a unit below it (plain bytes and zero
+            // are exact).
             let v = parse_si_bytes(&format!("{n} {}", unit.0)).unwrap();
-            let want = if unit.1 == 1 || n == 0 { n * unit.1 } else { n * unit.1 - unit.1 / 2 };
+            let want = if unit.1 == 1 || n == 0 {
+                n * unit.1
+            } else {
+                u64::try_from((u128::from(20 * n - 1) * u128::from(unit.1)).div_ceil(20)).unwrap()
+            };
             prop_assert_eq!(v, want);
         }
 

@@ -15,6 +15,9 @@ pub use restic_under_test::*;
 mod kopia_under_test;
 #[allow(unused_imports)]
 pub use kopia_under_test::*;
+mod kopia_direct;
+#[allow(unused_imports)]
+pub use kopia_direct::*;
 
 /// A scratch area with a source directory, a password file and a repository path.
 pub struct Bed {
