@@ -81,7 +81,7 @@ for version in "${!kopia_at[@]}"; do
   echo "== kopia pass: kopia suites with kopia $("$PODVOLUME_TEST_KOPIA" --version) ($PODVOLUME_TEST_KOPIA) =="
   bounded 1200 cargo test --test kopia_engine --test kopia_parser
   bounded 1200 cargo test --test e2e -- kopia::
-  bounded 600 cargo test --test s3_cli -- kopia
+  bounded 600 cargo test --test s3_cli --test cli -- kopia
   run cargo test --test kopia_engine --test kopia_parser --test s3_cli --test e2e -- --show-output kopia_under_test
 done
 export PODVOLUME_TEST_KOPIA=${kopia_at[$kopia_main]} PODVOLUME_TEST_KOPIA_VERSION=$kopia_main

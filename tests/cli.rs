@@ -283,3 +283,141 @@ fn relative_repository_password_and_cache_paths_mean_the_callers_directory() {
         "restic's cache is where --cache-dir said"
     );
 }
+
+fn kopia_agent(bed: &Bed, args: &[&str]) -> Command {
+    let mut c = agent(bed, args);
+    c.arg("--uploader=kopia")
+        .arg(format!("--kopia-binary={}", kopia_bin().display()));
+    c
+}
+
+#[test]
+fn kopia_under_test_is_the_requested_version() {
+    assert_requested_kopia_version();
+}
+
+/// `backup --uploader kopia --json` on a real kopia repository: intermediate lines, monotonic,
+/// and a final one with the manifest ID and the exact size; the ID is the one kopia lists.
+#[test]
+fn kopia_json_backup_prints_progress_and_the_manifest_id() {
+    let bed = Bed::new();
+    write_random(&bed.source.join("a.bin"), 120 << 20, 1);
+    write_random(&bed.source.join("b/c.bin"), 30 << 20, 2);
+    let out = kopia_agent(&bed, &["backup", "--json", "--update-interval", "200ms"])
+        .arg(&bed.source)
+        .output()
+        .unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let lines = parse_lines(&out.stdout);
+    let last = lines.last().unwrap();
+    assert!(last.completed && last.err.is_empty(), "{last:?}");
+    let total = 150u64 << 20;
+    assert_eq!((last.n_completed, last.n_total), (total, total));
+    let mut prev = 0;
+    for p in &lines {
+        assert!(
+            p.n_completed >= prev && p.n_completed <= p.n_total,
+            "{lines:#?}"
+        );
+        prev = p.n_completed;
+    }
+    assert!(
+        lines.iter().filter(|p| !p.completed).count() >= 2,
+        "intermediate lines: {lines:#?}"
+    );
+    let id = last
+        .description
+        .strip_prefix("snapshot ")
+        .and_then(|d| d.split_whitespace().next())
+        .unwrap();
+    assert!(
+        id.len() == 32 && id.bytes().all(|b| b.is_ascii_hexdigit()),
+        "{}",
+        last.description
+    );
+    let listed = Command::new(kopia_bin())
+        .args(["snapshot", "list", "--json", "--all"])
+        .env(
+            "KOPIA_CONFIG_PATH",
+            bed.cache.join("kopia/repository.config"),
+        )
+        .env("KOPIA_PASSWORD", "correct horse battery staple")
+        .env("KOPIA_CHECK_FOR_UPDATES", "false")
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let listed: serde_json::Value = serde_json::from_slice(&listed.stdout).unwrap();
+    assert_eq!(listed[0]["id"], id, "{listed}");
+}
+
+/// SIGINT mid-backup with kopia: exit 130, the final line reports no completed snapshot (kopia's
+/// partial one is not a result), no kopia process left.
+#[test]
+fn kopia_sigint_mid_backup_exits_130_and_reports_no_completed_snapshot() {
+    let bed = Bed::new();
+    write_random(&bed.source.join("a.bin"), 1 << 20, 3);
+    // Slow to snapshot without costing disk: kopia reads and hashes every zero of it.
+    std::fs::File::create(bed.source.join("huge.img"))
+        .unwrap()
+        .set_len(64 << 30)
+        .unwrap();
+    let mut child = kopia_agent(
+        &bed,
+        &[
+            "backup",
+            "--json",
+            "--update-interval",
+            "200ms",
+            "--cancel-grace",
+            "20s",
+        ],
+    )
+    .arg(&bed.source)
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped())
+    .spawn()
+    .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let mut reader = BufReader::new(stdout);
+    let mut lines = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let mut line = String::new();
+    while Instant::now() < deadline {
+        line.clear();
+        if reader.read_line(&mut line).unwrap() == 0 {
+            break;
+        }
+        let p: OperationProgress = serde_json::from_str(line.trim()).unwrap();
+        let moving = p.n_completed > 0;
+        lines.push(p);
+        if moving {
+            break;
+        }
+    }
+    assert!(
+        lines.iter().any(|p| p.n_completed > 0),
+        "backup never moved: {lines:?}"
+    );
+    kill(Pid::from_raw(child.id() as i32), Signal::SIGINT).unwrap();
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut reader, &mut rest).unwrap();
+    let status = child.wait().unwrap();
+    assert_eq!(status.code(), Some(130));
+    let last: OperationProgress = serde_json::from_str(rest.lines().last().unwrap()).unwrap();
+    assert!(last.completed && !last.err.is_empty(), "{last:?}");
+    assert!(
+        !last.description.starts_with("snapshot "),
+        "reported as a snapshot: {last:?}"
+    );
+    assert!(last.n_completed < (64u64 << 30), "{last:?}");
+    assert!(
+        bed.own_processes().is_empty(),
+        "left behind: {:?}",
+        bed.own_processes()
+    );
+}
