@@ -71,7 +71,7 @@ bounded() {
 echo "== pass 1: every test with $(restic version) ($(command -v restic)) and kopia $("$PODVOLUME_TEST_KOPIA" --version) =="
 bounded 2400 cargo test --workspace --no-fail-fast
 run cargo test --test restic_engine --test cli --test s3_cli --test e2e -- --show-output restic_under_test
-run cargo test --test kopia_engine --test kopia_parser --test s3_cli --test e2e -- --show-output kopia_under_test
+run cargo test --test kopia_engine --test kopia_parser --test s3_cli --test cli --test e2e -- --show-output kopia_under_test
 
 # The kopia suites again with every other pinned kopia: the engine and parser whole, and the
 # end-to-end kopia cases (tests/e2e/kopia.rs).
@@ -82,7 +82,7 @@ for version in "${!kopia_at[@]}"; do
   bounded 1200 cargo test --test kopia_engine --test kopia_parser
   bounded 1200 cargo test --test e2e -- kopia::
   bounded 600 cargo test --test s3_cli --test cli -- kopia
-  run cargo test --test kopia_engine --test kopia_parser --test s3_cli --test e2e -- --show-output kopia_under_test
+  run cargo test --test kopia_engine --test kopia_parser --test s3_cli --test cli --test e2e -- --show-output kopia_under_test
 done
 export PODVOLUME_TEST_KOPIA=${kopia_at[$kopia_main]} PODVOLUME_TEST_KOPIA_VERSION=$kopia_main
 
