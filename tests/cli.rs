@@ -40,6 +40,27 @@ fn parse_lines(stdout: &[u8]) -> Vec<OperationProgress> {
         .collect()
 }
 
+/// `--json` lines of a successful backup of `total` bytes: never backwards, never above the
+/// total, at least two intermediate lines, the last one complete at the total. Returns it.
+fn assert_json_progress(lines: &[OperationProgress], total: u64) -> &OperationProgress {
+    let last = lines.last().unwrap();
+    assert!(last.completed && last.err.is_empty(), "{last:?}");
+    assert_eq!((last.n_completed, last.n_total), (total, total));
+    let mut prev = 0;
+    for p in lines {
+        assert!(
+            p.n_completed >= prev && p.n_completed <= p.n_total,
+            "{lines:#?}"
+        );
+        prev = p.n_completed;
+    }
+    assert!(
+        lines.iter().filter(|p| !p.completed).count() >= 2,
+        "intermediate lines: {lines:#?}"
+    );
+    last
+}
+
 #[test]
 fn json_backup_prints_monotonic_progress_ending_at_the_summary_size() {
     let bed = Bed::new();
@@ -56,22 +77,7 @@ fn json_backup_prints_monotonic_progress_ending_at_the_summary_size() {
         String::from_utf8_lossy(&out.stderr)
     );
     let lines = parse_lines(&out.stdout);
-    let last = lines.last().unwrap();
-    assert!(last.completed && last.err.is_empty(), "{last:?}");
-    let total = (150u64) << 20;
-    assert_eq!((last.n_completed, last.n_total), (total, total));
-    let mut prev = 0;
-    for p in &lines {
-        assert!(
-            p.n_completed >= prev && p.n_completed <= p.n_total,
-            "{lines:#?}"
-        );
-        prev = p.n_completed;
-    }
-    assert!(
-        lines.iter().filter(|p| !p.completed).count() >= 2,
-        "intermediate lines: {lines:#?}"
-    );
+    let last = assert_json_progress(&lines, 150 << 20);
     // The snapshot the summary reports is in the repository; its size matches.
     let snaps = bed.restic(&["snapshots", "--json"]);
     let snaps: serde_json::Value = serde_json::from_slice(&snaps.stdout).unwrap();
@@ -314,22 +320,7 @@ fn kopia_json_backup_prints_progress_and_the_manifest_id() {
         String::from_utf8_lossy(&out.stderr)
     );
     let lines = parse_lines(&out.stdout);
-    let last = lines.last().unwrap();
-    assert!(last.completed && last.err.is_empty(), "{last:?}");
-    let total = 150u64 << 20;
-    assert_eq!((last.n_completed, last.n_total), (total, total));
-    let mut prev = 0;
-    for p in &lines {
-        assert!(
-            p.n_completed >= prev && p.n_completed <= p.n_total,
-            "{lines:#?}"
-        );
-        prev = p.n_completed;
-    }
-    assert!(
-        lines.iter().filter(|p| !p.completed).count() >= 2,
-        "intermediate lines: {lines:#?}"
-    );
+    let last = assert_json_progress(&lines, 150 << 20);
     let id = last
         .description
         .strip_prefix("snapshot ")

@@ -499,6 +499,26 @@ impl Env {
         .unwrap();
     }
 
+    /// Waits until the PodVolumeBackup `name` is InProgress with bytes moving.
+    pub async fn wait_moving(&self, name: &str, agent: &Agent, timeout: Duration) {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let p = self.pvbs().get(name).await.unwrap();
+            let st = p.status.clone().unwrap_or_default();
+            if st.phase == Some(Phase::InProgress)
+                && st.progress.as_ref().is_some_and(|p| p.bytes_done > 0)
+            {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "never in progress: {st:?}\n{}",
+                agent.logs()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
     /// Asks for a cancel as a user would: `spec.cancel: true` (Velero 1.17+, or Velero's server
     /// at its start) on CRDs that have it, else what `kubectl podvolume cancel` writes (Velero
     /// <= 1.16's CRDs have no `spec.cancel`; the API server would prune it).

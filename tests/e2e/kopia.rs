@@ -505,21 +505,7 @@ async fn cancel_mid_kopia_backup_ends_canceled_with_no_kopia_left() {
     );
     agent.wait_ready(LONG).await;
     kopia_pvb(&env, "pvb-kcancel", &pod, "data").await;
-    let deadline = std::time::Instant::now() + LONG;
-    loop {
-        let st = status(&env.pvbs().get("pvb-kcancel").await.unwrap());
-        if st.phase == Some(Phase::InProgress)
-            && st.progress.as_ref().is_some_and(|p| p.bytes_done > 0)
-        {
-            break;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "never in progress: {st:?}\n{}",
-            agent.logs()
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    env.wait_moving("pvb-kcancel", &agent, LONG).await;
     assert!(
         !env.uploader_processes().is_empty(),
         "kopia should be running"

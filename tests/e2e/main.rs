@@ -233,22 +233,7 @@ async fn running_backup_at(
     let mut agent = env.start_agent(NODE, &args);
     agent.wait_ready(LONG).await;
     let pvb = env.create_pvb(name, &pod, "data", NODE).await;
-    let deadline = std::time::Instant::now() + LONG;
-    loop {
-        let p = env.pvbs().get(name).await.unwrap();
-        let st = p.status.clone().unwrap_or_default();
-        if st.phase == Some(Phase::InProgress)
-            && st.progress.as_ref().is_some_and(|p| p.bytes_done > 0)
-        {
-            break;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "never in progress: {st:?}\n{}",
-            agent.logs()
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    env.wait_moving(name, &agent, LONG).await;
     assert!(
         !env.uploader_processes().is_empty(),
         "restic should be running"
