@@ -484,6 +484,12 @@ fn daemonset_is_named_and_labelled_like_veleros_node_agent() {
         assert_eq!(labels.get("name").map(String::as_str), Some("node-agent"));
         assert_eq!(labels.get("component").map(String::as_str), Some("velero"));
     }
+    // Velero 1.16+ looks for a Running pod labelled role=node-agent on the node before it
+    // creates a PodVolumeBackup/Restore (pkg/nodeagent); without it no pod volume is backed up.
+    assert_eq!(
+        template_labels.get("role").map(String::as_str),
+        Some("node-agent")
+    );
     let selector = spec.selector.match_labels.clone().expect("matchLabels");
     for (k, v) in &selector {
         assert_eq!(
