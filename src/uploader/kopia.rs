@@ -917,6 +917,17 @@ pub fn classify(exit: ExitInfo, facts: &RunFacts, stopped: bool, direction: Dire
         (Some(0), _) if backup && summary.is_none() => OutcomeKind::Failed,
         (Some(0), _) if backup && manifest_failed => OutcomeKind::Partial,
         (Some(0), _) => OutcomeKind::Success,
+        // The whole snapshot was saved (a complete manifest, nothing failed) before our stop
+        // reached kopia, which was finishing after it: the backup is done, and its snapshot is
+        // the result. kopia's progress counts bytes hashed, which run ahead of the upload, so a
+        // cancel near the end can come after the save.
+        _ if backup
+            && stopped
+            && !manifest_failed
+            && summary.is_some_and(|s| s.snapshot_id.is_some()) =>
+        {
+            OutcomeKind::Success
+        }
         _ if stopped => OutcomeKind::Canceled,
         (None, Some(sig)) => OutcomeKind::KilledBySignal { signal: sig },
         // Saved, but some entries could not be read (`Found N fatal error(s)`, exit 1).
@@ -1334,6 +1345,46 @@ mod tests {
                 "/t"
             ]
         );
+    }
+
+    #[test]
+    fn a_complete_snapshot_saved_before_our_stop_is_the_result() {
+        let mut f = RunFacts::default();
+        f.summary = Some(RunSummary {
+            snapshot_id: Some("a983b4aa0948c7dfb0c936d03a7f5a7d".into()),
+            total_bytes: 41_943_040,
+            total_files: 2,
+            ..RunSummary::default()
+        });
+        // Killed (SIGKILL after the grace period) after it printed its complete manifest.
+        let o = classify(
+            ExitInfo {
+                code: None,
+                signal: Some(9),
+            },
+            &f,
+            true,
+            Direction::Backup,
+        );
+        assert_eq!(o.kind, OutcomeKind::Success, "{o:?}");
+        assert_eq!(
+            o.snapshot_id.as_deref(),
+            Some("a983b4aa0948c7dfb0c936d03a7f5a7d")
+        );
+        // Without a manifest, or with an incomplete one, a stopped kopia is canceled, no result.
+        let o = classify(
+            ExitInfo {
+                code: None,
+                signal: Some(9),
+            },
+            &RunFacts::default(),
+            true,
+            Direction::Backup,
+        );
+        assert_eq!((o.kind, o.snapshot_id), (OutcomeKind::Canceled, None));
+        f.summary.as_mut().unwrap().incomplete = Some("canceled".into());
+        let o = classify(ExitInfo::code(0), &f, true, Direction::Backup);
+        assert_eq!((o.kind, o.snapshot_id), (OutcomeKind::Canceled, None));
     }
 
     #[test]
