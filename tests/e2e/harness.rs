@@ -115,9 +115,14 @@ impl Watchdog {
                 let agents = agents.lock().unwrap_or_else(|e| e.into_inner()).clone();
                 report_hang(&test, limit, &agents);
                 // Exiting runs no Drop: stop the agents and their uploaders here, or they
-                // outlive the test binary.
-                for (pid, _) in &agents {
-                    stop_agent_and_uploaders(*pid);
+                // outlive the test binary: every test's, not only this one's (the others
+                // running beside it end with the binary too).
+                let every = EVERY_AGENT
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .clone();
+                for pid in every {
+                    stop_agent_and_uploaders(pid);
                 }
                 std::process::exit(124);
             }
@@ -133,6 +138,9 @@ impl Drop for Watchdog {
         }
     }
 }
+
+/// Every agent any test of this binary started: a watchdog that ends the binary stops them all.
+static EVERY_AGENT: Mutex<Vec<u32>> = Mutex::new(Vec::new());
 
 /// SIGKILL to an agent and to the process group of each of its children (every uploader runs
 /// in its own group).
@@ -583,6 +591,10 @@ impl Env {
             .stderr(std::fs::File::create(log.with_extension("err")).unwrap());
         let child = cmd.spawn().unwrap();
         self.agents.lock().unwrap().push((child.id(), log.clone()));
+        EVERY_AGENT
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(child.id());
         Agent {
             child: Some(child),
             port,
