@@ -190,24 +190,10 @@ fn access_denied_and_missing_repository_are_told_apart() {
 /// `podvolume-agent <args> --uploader kopia` with the kopia under test, as `user` (its keys in an
 /// AWS shared-credentials file, which the agent hands kopia in its own variables).
 fn kopia_cli(bed: &Bed, s3: &S3Server, user: &str, repo: &str, args: &[&str]) -> Output {
-    Command::new(agent_bin())
-        .args(args)
-        .arg("--uploader=kopia")
-        .arg(format!("--kopia-binary={}", kopia_bin().display()))
-        .arg("--repo")
-        .arg(repo)
-        .arg("--password-file")
-        .arg(&bed.password_file)
-        .arg("--cache-dir")
-        .arg(&bed.cache)
-        .env("AWS_SHARED_CREDENTIALS_FILE", s3.credentials_path(user))
-        .env_remove("AWS_ACCESS_KEY_ID")
-        .env_remove("AWS_SECRET_ACCESS_KEY")
-        .env_remove("PODVOLUME_CACERT")
-        .env_remove("PODVOLUME_INSECURE_TLS")
-        .stdin(Stdio::null())
-        .output()
-        .unwrap()
+    let kopia = format!("--kopia-binary={}", kopia_bin().display());
+    let mut all = args.to_vec();
+    all.extend(["--uploader=kopia", kopia.as_str()]);
+    cli(bed, s3, user, repo, &all)
 }
 
 #[test]
