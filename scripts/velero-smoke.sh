@@ -1,0 +1,523 @@
+#!/usr/bin/env bash
+# Smoke test of the node agent with the real Velero server as its client: Velero 1.18.3 (kopia
+# file-system backups) asks, podvolume-agent does the work, and the results are checked from the
+# API server, the kopia repository and the restored files.
+#
+#   scripts/velero-smoke.sh
+#
+# What it starts (all on loopback, all stopped on exit by a trap, process groups included):
+#   - moto's S3 server behind TLS with a CA made here (openssl), an IAM user that may use the
+#     bucket velero-bsl only (tests/s3/moto_setup.py);
+#   - etcd + kube-apiserver + kube-controller-manager (scripts/start-control-plane.sh);
+#   - tools/velero-smoke/fake_kubelet.py: the scheduler and kubelet of one node, smoke-node (there
+#     is no kubelet): binds pods, creates their emptyDir directories under <work>/pods/<pod-uid>/
+#     volumes/kubernetes.io~empty-dir/, writes pod status as a kubelet does, and runs Velero's
+#     restore helper init container as velero-restore-helper does (waits for .velero/<restore
+#     UID> in every volume, removes .velero, exits 0);
+#   - `velero install` (the real CLI, no node agent) against that API server, then the agent's
+#     manifests exactly as README says for a cluster with Velero: `kubectl apply -k daemonset/
+#     -l app.kubernetes.io/name=podvolume-agent`. The DaemonSet controller makes the node-agent
+#     pod from daemonset.yaml's template (so Velero finds it only if the template has the label
+#     role=node-agent);
+#   - `velero server` as a host process with the Deployment's arguments (server --features=
+#     --uploader-type=kopia), as ServiceAccount velero (a TokenRequest token);
+#   - `podvolume-agent run` as a host process, as ServiceAccount node-agent (a TokenRequest token:
+#     only daemonset/rbac.yaml's permissions), with the cloud-credentials Secret as its default
+#     credentials file, as the DaemonSet mounts it.
+#
+# Cases, each timed:
+#   1. backup: namespace smoke-app, two pods, three emptyDir volumes of random data annotated
+#      backup.velero.io/backup-volumes; `velero backup create b1 --include-namespaces smoke-app
+#      --wait` -> Completed; every PodVolumeBackup Completed by the agent (status written by field
+#      manager podvolume-agent, snapshotID, bytesDone == totalBytes == bytes written); the kopia
+#      manifests in <bucket>/backups/kopia/smoke-app/ as Velero's identity (default@default).
+#   2. restore: `velero restore create r1 --from-backup b1 --namespace-mappings
+#      smoke-app:smoke-app-restored --wait` -> Completed; restore-wait init container; every
+#      PodVolumeRestore Completed by the agent; the done files seen by the helper; the restored
+#      trees identical (sha256, modes, mtimes).
+#   3. delete: `velero backup delete b1 --confirm` -> the Backup gone, the kopia manifests deleted.
+#
+# Prints PASS/FAIL per check with the figures, the time per step, and exits 1 if any check failed
+# (the work directory, with every log, is then kept and named).
+#
+# Measured warm (tools built, 2 cores): about 52 s, of which 12 s start the control plane, 12 s
+# are the backup (Velero polls each pod's PodVolumeBackups every 5 s) and 8 s the restore.
+#
+# Environment:
+#   VELERO_SMOKE_DIR      work directory (default: a new /tmp/velero-smoke.XXXXXX)
+#   VELERO_SMOKE_KEEP=1   keep the work directory after a successful run too
+#   VELERO_SMOKE_TIMEOUT  seconds allowed for each wait (default 300)
+#   PODVOLUME_AGENT       the agent binary (default: `cargo build`, target/debug/podvolume-agent)
+#
+# Needs: Go (first run only, to build the tools), cargo, python3, openssl, curl. Port 8080 must be
+# free: velero server's controller-runtime metrics server binds :8080 (no flag to move it).
+set -euo pipefail
+
+# Read whole before running (a checkout that changes this file meanwhile cannot derail it).
+{
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+tools=$root/tools/velero-smoke
+VELERO_VERSION=1.18.3
+AWS_PLUGIN_IMAGE=velero/velero-plugin-for-aws:v1.14.3
+KOPIA_VERSION=0.22.3
+NODE=smoke-node
+VNS=velero
+APP=smoke-app
+APP2=smoke-app-restored
+BUCKET=velero-bsl
+PREFIX=backups
+TIMEOUT=${VELERO_SMOKE_TIMEOUT:-300}
+
+# Nothing of the caller's environment may point the tools elsewhere.
+unset AWS_ACCESS_KEY_ID AWS_SECRET_ACCESS_KEY AWS_SESSION_TOKEN AWS_PROFILE AWS_DEFAULT_PROFILE \
+  AWS_SHARED_CREDENTIALS_FILE AWS_CONFIG_FILE AWS_CA_BUNDLE AWS_REGION AWS_DEFAULT_REGION \
+  KUBECONFIG VELERO_NAMESPACE NODE_NAME KOPIA_PASSWORD KOPIA_CONFIG_PATH KOPIA_CACHE_DIRECTORY \
+  KOPIA_LOG_DIR RESTIC_REPOSITORY RESTIC_PASSWORD_FILE
+
+t_start=$(date +%s.%N)
+elapsed() { awk -v a="$1" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }'; }
+say() { printf '[%6ss] %s\n' "$(elapsed "$t_start")" "$*"; }
+
+failures=0
+pass() { echo "  PASS $*"; }
+fail() { echo "  FAIL $*"; failures=$((failures + 1)); }
+# check <what> <command...>: PASS/FAIL by the command's status.
+check() { local what=$1; shift; if "$@"; then pass "$what"; else fail "$what"; fi; }
+# Runs tools/velero-smoke/checks.py and counts its FAIL lines (a crash counts as one).
+pycheck() {
+  local out rc=0 n
+  out=$(python3 "$tools/checks.py" "$@" 2>&1) || rc=$?
+  echo "$out"
+  n=$(grep -c '^  FAIL' <<<"$out" || true)
+  if [ "$rc" -ne 0 ] && [ "$n" -eq 0 ]; then n=1; echo "  FAIL checks.py $1 exited $rc"; fi
+  failures=$((failures + n))
+}
+
+steps=()
+step_begin() { step_name=$1; step_t0=$(date +%s.%N); say "== $1"; }
+step_end() {
+  local d; d=$(elapsed "$step_t0")
+  steps+=("$(printf '%7s s  %s' "$d" "$step_name")")
+  say "   $step_name: $d s"
+}
+
+W=${VELERO_SMOKE_DIR:-}
+if [ -z "$W" ]; then W=$(mktemp -d /tmp/velero-smoke.XXXXXX); else mkdir -p "$W"; W=$(cd "$W" && pwd); fi
+
+# --- processes and cleanup -----------------------------------------------------------------------
+# Each long-running process is started with setsid (its own process group, PGID = its PID: a
+# background child of a script is no group leader, so setsid execs in place) and recorded as
+# name:pgid:grace. Cleanup stops the groups newest first: SIGTERM, SIGKILL after grace seconds.
+groups=()
+cp_started=0
+start_group() {
+  local name=$1 grace=$2 log=$3; shift 3
+  setsid "$@" </dev/null >"$log" 2>&1 &
+  groups+=("$name:$!:$grace")
+}
+group_alive() { # any non-zombie process in group $1
+  ps -e -o pgid=,stat= | awk -v g="$1" '$1 == g && $2 !~ /^Z/ { found = 1 } END { exit !found }'
+}
+stopped=()
+stop_group() {
+  local name=$1 pg=$2 grace=$3 i t0
+  group_alive "$pg" || { wait "$pg" 2>/dev/null || true; return 0; }
+  t0=$(date +%s.%N)
+  kill -TERM -- "-$pg" 2>/dev/null || true
+  for ((i = 0; i < grace * 5; i++)); do group_alive "$pg" || break; sleep 0.2; done
+  if group_alive "$pg"; then
+    echo "cleanup: $name (process group $pg) still running ${grace} s after SIGTERM: SIGKILL" >&2
+    kill -KILL -- "-$pg" 2>/dev/null || true
+  fi
+  wait "$pg" 2>/dev/null || true
+  stopped+=("$name $(elapsed "$t0") s")
+}
+cleanup() {
+  local rc=$? i name pg grace
+  set +e
+  trap - EXIT INT TERM
+  for ((i = ${#groups[@]} - 1; i >= 0; i--)); do
+    IFS=: read -r name pg grace <<<"${groups[i]}"
+    stop_group "$name" "$pg" "$grace"
+  done
+  if [ "$cp_started" = 1 ]; then "$root/scripts/start-control-plane.sh" --stop "$W/cp" >>"$W/control-plane.log" 2>&1; fi
+  [ ${#stopped[@]} -eq 0 ] || echo "cleanup: stopped (SIGTERM to exit) $(IFS=,; echo "${stopped[*]}" | sed 's/,/, /g'); control plane"
+  if [ "$rc" -eq 0 ] && [ "$failures" -eq 0 ] && [ "${VELERO_SMOKE_KEEP:-0}" != 1 ]; then
+    rm -rf "$W"
+  else
+    echo "work directory kept: $W (velero-server.log, agent.log, fake-kubelet.log, s3/moto.log, cp/*.log)"
+  fi
+  exit "$rc"
+}
+trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+
+die() {
+  echo "FATAL: $*"
+  for f in agent.log velero-server.log fake-kubelet.log; do
+    [ -f "$W/$f" ] && { echo "--- last lines of $W/$f"; tail -n 25 "$W/$f"; }
+  done
+  exit 1
+}
+# wait_until <seconds> <what> <command...>: polls every 0.5 s.
+wait_until() {
+  local secs=$1 what=$2; shift 2
+  local deadline=$((SECONDS + secs))
+  until "$@"; do
+    [ $SECONDS -lt $deadline ] || die "$what: not reached within $secs s"
+    sleep 0.5
+  done
+}
+# settle <seconds> <command...>: polls every 0.5 s; returns 1 (no exit) if not reached in time.
+settle() {
+  local deadline=$((SECONDS + $1)); shift
+  until "$@"; do [ $SECONDS -lt $deadline ] || return 1; sleep 0.5; done
+}
+# bounded <log> <command...>: runs a command in a process group of its own (stopped by the
+# cleanup if the script ends first), at most VELERO_SMOKE_TIMEOUT seconds; returns its status
+# (124: timed out).
+bounded() {
+  local log=$1 pid rc=0; shift
+  setsid timeout -k 10 "$TIMEOUT" "$@" </dev/null >"$log" 2>&1 &
+  pid=$!
+  groups+=("command:$pid:5")
+  wait "$pid" || rc=$?
+  return "$rc"
+}
+free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+port_free() { python3 -c 'import socket,sys; s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(("", int(sys.argv[1])))' "$1" 2>/dev/null; }
+
+say "work directory: $W"
+
+# --- tools -----------------------------------------------------------------------------------------
+step_begin "tools (install scripts, cached; cargo build)"
+for t in python3 openssl curl base64 setsid; do command -v "$t" >/dev/null || die "$t is missing"; done
+cp_bin=$("$root/scripts/install-control-plane.sh") || die "scripts/install-control-plane.sh failed"
+read -r v vdir < <("$root/scripts/install-velero.sh" "$VELERO_VERSION") || die "scripts/install-velero.sh failed"
+[ "$v" = "$VELERO_VERSION" ] && [ -x "$vdir/velero" ] && [ -x "$vdir/plugins/velero-plugin-for-aws" ] \
+  || die "scripts/install-velero.sh $VELERO_VERSION printed '$v $vdir' without velero and plugins/velero-plugin-for-aws"
+velero=$vdir/velero
+read -r v kopia < <("$root/scripts/install-kopia.sh" "$KOPIA_VERSION") || die "scripts/install-kopia.sh failed"
+[ -x "$kopia" ] || die "scripts/install-kopia.sh printed no kopia binary"
+moto=${PODVOLUME_MOTO_SERVER:-$root/target/test-tools/moto/bin/moto_server}
+[ -x "$moto" ] || "$root/scripts/install-moto.sh" >&2 || die "scripts/install-moto.sh failed"
+moto_py=$(dirname "$moto")/python
+if [ -n "${PODVOLUME_AGENT:-}" ]; then
+  agent=$PODVOLUME_AGENT
+else
+  (cd "$root" && cargo build --quiet --bin podvolume-agent) || die "cargo build failed"
+  agent=$root/target/debug/podvolume-agent
+fi
+kubectl=$cp_bin/kubectl
+echo "  velero $("$velero" version --client-only 2>/dev/null | awk '/Version:/ { print $2; exit }'), kopia $("$kopia" --version | head -n1 | cut -d' ' -f1),"\
+  "kube-apiserver $("$cp_bin/kube-apiserver" --version | cut -d' ' -f2), agent $agent"
+step_end
+
+# --- S3 ------------------------------------------------------------------------------------------
+step_begin "S3 server (moto, TLS with a private CA) + IAM user + bucket"
+mkdir -p "$W/s3"
+(
+  cd "$W/s3"
+  openssl req -x509 -newkey rsa:2048 -nodes -days 2 -keyout ca.key -out ca.pem -subj "/CN=velero-smoke CA" \
+    -addext "basicConstraints=critical,CA:TRUE" -addext "keyUsage=critical,keyCertSign,cRLSign" 2>/dev/null
+  openssl req -newkey rsa:2048 -nodes -keyout server.key -out server.csr -subj "/CN=127.0.0.1" 2>/dev/null
+  printf 'subjectAltName=IP:127.0.0.1,DNS:localhost\nbasicConstraints=CA:FALSE\nextendedKeyUsage=serverAuth\n' >server.ext
+  openssl x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial -days 2 -out server.pem \
+    -extfile server.ext 2>/dev/null
+) || die "openssl could not make the S3 server's certificates"
+s3_port=$(free_port)
+s3_url=https://127.0.0.1:$s3_port
+# Requests before signatures are enforced: those of moto_setup.py (3 per user + 1 per bucket).
+start_group moto 10 "$W/s3/moto.log" env INITIAL_NO_AUTH_ACTION_COUNT=4 \
+  "$moto" -H 127.0.0.1 -p "$s3_port" -c "$W/s3/server.pem" -k "$W/s3/server.key"
+s3_listening() { (exec 3<>"/dev/tcp/127.0.0.1/$s3_port") 2>/dev/null; }
+wait_until 60 "moto listening on $s3_port" s3_listening
+keys=$("$moto_py" "$root/tests/s3/moto_setup.py" "$s3_url" "$W/s3/ca.pem" "[{\"user\": \"velero\", \"buckets\": [\"$BUCKET\"]}]") \
+  || die "moto set-up failed: $(tail -n 20 "$W/s3/moto.log")"
+(umask 077; python3 -c 'import json,sys; k = json.loads(sys.argv[1])["velero"]
+print("[default]\naws_access_key_id = %s\naws_secret_access_key = %s" % (k["accessKeyId"], k["secretAccessKey"]))' "$keys" >"$W/cloud")
+bucket() { "$moto_py" "$tools/bucket.py" "$s3_url" "$W/s3/ca.pem" "$W/cloud" "$BUCKET" "$@"; }
+echo "  $s3_url, bucket $BUCKET, IAM user velero (may use that bucket only)"
+step_end
+
+# --- control plane + node --------------------------------------------------------------------------
+step_begin "control plane (etcd, kube-apiserver, kube-controller-manager) + fake kubelet of $NODE"
+cp_started=1
+CONTROL_PLANE_BIN=$cp_bin "$root/scripts/start-control-plane.sh" "$W/cp" >"$W/cp.env" 2>"$W/control-plane.log" \
+  || { cp_started=0; die "scripts/start-control-plane.sh failed: $(tail -n 30 "$W/control-plane.log")"; }
+apiserver=$(sed -n 's/^APISERVER_URL=//p' "$W/cp.env")
+admin_kc=$W/cp/admin.kubeconfig
+k() { "$kubectl" --kubeconfig "$admin_kc" "$@"; }
+mkdir -p "$W/pods"
+start_group fake-kubelet 5 "$W/fake-kubelet.log" python3 "$tools/fake_kubelet.py" --server "$apiserver" \
+  --ca "$W/cp/pki/ca.crt" --cert "$W/cp/pki/admin.crt" --key "$W/cp/pki/admin.key" \
+  --node "$NODE" --pods-dir "$W/pods" --events "$W/fake-kubelet.events"
+node_ready() { [ "$(k get node "$NODE" -o jsonpath='{.status.conditions[?(@.type=="Ready")].status}' 2>/dev/null)" = True ]; }
+wait_until 60 "Node $NODE Ready" node_ready
+echo "  $apiserver, Node $NODE Ready"
+step_end
+
+# --- Velero and the agent's manifests ------------------------------------------------------------------
+step_begin "velero install (no node agent) + kubectl apply -k daemonset/"
+mkdir -p "$W/home"
+vel_cmd=(env HOME="$W/home" "$velero" --kubeconfig "$admin_kc" --namespace "$VNS")
+vel() { "${vel_cmd[@]}" "$@"; }
+vel install --provider aws --plugins "$AWS_PLUGIN_IMAGE" --bucket "$BUCKET" --prefix "$PREFIX" \
+  --secret-file "$W/cloud" --cacert "$W/s3/ca.pem" \
+  --backup-location-config "region=us-east-1,s3Url=$s3_url,s3ForcePathStyle=true" \
+  --use-volume-snapshots=false --uploader-type kopia >"$W/velero-install.log" 2>&1 \
+  || die "velero install failed: $(tail -n 20 "$W/velero-install.log")"
+echo "  $(grep -c 'attempting to create resource' "$W/velero-install.log" || true) resources created by velero install"
+k apply -k "$root/daemonset/" -l app.kubernetes.io/name=podvolume-agent >"$W/daemonset-apply.log" 2>&1 \
+  || die "kubectl apply -k daemonset/ failed: $(cat "$W/daemonset-apply.log")"
+sed 's/^/  /' "$W/daemonset-apply.log"
+ds_pod_running() {
+  [ "$(k -n "$VNS" get pods -l name=node-agent --field-selector "spec.nodeName=$NODE,status.phase=Running" -o name 2>/dev/null | wc -l)" -ge 1 ]
+}
+wait_until 60 "a Running pod of DaemonSet node-agent on $NODE" ds_pod_running
+ds_pod=$(k -n "$VNS" get pods -l name=node-agent --field-selector "spec.nodeName=$NODE" -o jsonpath='{.items[0].metadata.name}')
+ds_role=$(k -n "$VNS" get pod "$ds_pod" -o jsonpath='{.metadata.labels.role}')
+echo "  DaemonSet node-agent made pod $ds_pod on $NODE, labels: $(k -n "$VNS" get pod "$ds_pod" -o jsonpath='{.metadata.labels}')"
+check "the DaemonSet's pod carries role=node-agent (what Velero 1.16+ looks for on the node)" [ "$ds_role" = node-agent ]
+[ "$ds_role" = node-agent ] || die "daemonset/daemonset.yaml's pod template lacks the label role=node-agent: Velero would never create a PodVolumeBackup"
+vpod_running() { [ -n "$(k -n "$VNS" get pods -l deploy=velero --field-selector status.phase=Running -o name 2>/dev/null)" ]; }
+wait_until 60 "the velero Deployment's pod (reported Running by the fake kubelet)" vpod_running
+# TokenRequest kubeconfigs: the server runs as ServiceAccount velero, the agent as node-agent.
+token_kubeconfig() {
+  local sa=$1 out=$2 token
+  token=$(k -n "$VNS" create token "$sa" --duration=6h) || die "TokenRequest for ServiceAccount $VNS/$sa failed"
+  (umask 077; cat >"$out" <<EOF
+apiVersion: v1
+kind: Config
+clusters:
+- name: smoke
+  cluster: {server: "$apiserver", certificate-authority: "$W/cp/pki/ca.crt"}
+users:
+- name: $sa
+  user: {token: "$token"}
+contexts:
+- name: $sa
+  context: {cluster: smoke, user: $sa, namespace: $VNS}
+current-context: $sa
+EOF
+  )
+}
+token_kubeconfig velero "$W/velero-sa.kubeconfig"
+token_kubeconfig node-agent "$W/node-agent-sa.kubeconfig"
+sa_can() { "$kubectl" --kubeconfig "$W/node-agent-sa.kubeconfig" auth can-i "$@" >/dev/null 2>&1; }
+check "ServiceAccount node-agent may patch podvolumebackups (daemonset/rbac.yaml)" sa_can patch podvolumebackups.velero.io -n "$VNS"
+check "ServiceAccount node-agent may not list secrets (least privilege)" eval '! sa_can list secrets -n "$VNS"'
+step_end
+
+step_begin "velero server (host process, ServiceAccount velero)"
+port_free 8080 || die "port 8080 is taken: velero server's controller-runtime metrics server binds :8080 (no flag); free it first"
+mkdir -p "$W/velero/tmp" "$W/velero/home" "$W/velero/scratch" "$W/velero/credentials"
+# As the Deployment: the cloud-credentials Secret mounted at /credentials, AWS_SHARED_CREDENTIALS_FILE.
+(umask 077; k -n "$VNS" get secret cloud-credentials -o jsonpath='{.data.cloud}' | base64 -d >"$W/velero/credentials/cloud")
+velero_args=$(k -n "$VNS" get deploy velero -o jsonpath='{.spec.template.spec.containers[0].args}')
+echo "  the Deployment's arguments: $velero_args"
+# Stopped with 5 s of grace: with a backup in progress (an interrupted run) its own graceful stop
+# waits 30 s, and nothing of it is needed after the run.
+start_group velero-server 5 "$W/velero-server.log" env TMPDIR="$W/velero/tmp" HOME="$W/velero/home" \
+  VELERO_SCRATCH_DIR="$W/velero/scratch" VELERO_NAMESPACE="$VNS" \
+  AWS_SHARED_CREDENTIALS_FILE="$W/velero/credentials/cloud" \
+  "$velero" server --features= --uploader-type=kopia \
+  --kubeconfig "$W/velero-sa.kubeconfig" --namespace "$VNS" --plugin-dir "$vdir/plugins" \
+  --metrics-address "127.0.0.1:$(free_port)" --profiler-address= --log-level info
+velero_pg=${groups[-1]#*:}; velero_pg=${velero_pg%%:*}
+bsl_available() {
+  group_alive "$velero_pg" || die "velero server exited: $(tail -n 20 "$W/velero-server.log")"
+  [ "$(k -n "$VNS" get bsl default -o jsonpath='{.status.phase}' 2>/dev/null)" = Available ]
+}
+wait_until "$TIMEOUT" "BackupStorageLocation default Available" bsl_available
+repo_secret() { k -n "$VNS" get secret velero-repo-credentials >/dev/null 2>&1; }
+wait_until 60 "Secret velero-repo-credentials (made by velero server)" repo_secret
+echo "  BackupStorageLocation default Available; Secret velero-repo-credentials present"
+step_end
+
+step_begin "podvolume-agent run (host process, ServiceAccount node-agent)"
+mkdir -p "$W/agent/scratch" "$W/agent/state" "$W/agent/home" "$W/agent/credentials"
+# As the DaemonSet: the cloud-credentials Secret mounted at /credentials (--default-credentials-file).
+(umask 077; k -n "$VNS" get secret cloud-credentials -o jsonpath='{.data.cloud}' | base64 -d >"$W/agent/credentials/cloud")
+agent_port=$(free_port)
+start_group agent 35 "$W/agent.log" env HOME="$W/agent/home" "$agent" run \
+  --kubeconfig "$W/node-agent-sa.kubeconfig" --node-name "$NODE" --namespace "$VNS" \
+  --host-pods-dir "$W/pods" --scratch-dir "$W/agent/scratch" --state-dir "$W/agent/state" \
+  --kopia-binary "$kopia" --listen-address "127.0.0.1:$agent_port" --log-format plain \
+  --default-credentials-file "$W/agent/credentials/cloud" --update-interval 1s
+agent_pg=${groups[-1]#*:}; agent_pg=${agent_pg%%:*}
+agent_ready() {
+  group_alive "$agent_pg" || die "the agent exited: $(tail -n 20 "$W/agent.log")"
+  curl -fsS --max-time 2 -o /dev/null "http://127.0.0.1:$agent_port/readyz" 2>/dev/null
+}
+wait_until 60 "agent /readyz" agent_ready
+echo "  agent ready on 127.0.0.1:$agent_port"
+step_end
+
+# --- case 1: backup ------------------------------------------------------------------------------
+step_begin "case 1: workload (2 pods, 3 emptyDir volumes of random data)"
+k create namespace "$APP" >/dev/null
+pod_yaml() { # name volumes...
+  local name=$1; shift
+  local vols=("$@") v list
+  list=$(IFS=,; echo "${vols[*]}")
+  echo "apiVersion: v1
+kind: Pod
+metadata:
+  name: $name
+  namespace: $APP
+  labels: {app: velero-smoke}
+  annotations: {backup.velero.io/backup-volumes: \"$list\"}
+spec:
+  containers:
+  - name: app
+    image: busybox:1.36
+    command: [sleep, infinity]
+    volumeMounts:"
+  for v in "${vols[@]}"; do echo "    - {name: $v, mountPath: /$v}"; done
+  echo "  volumes:"
+  for v in "${vols[@]}"; do echo "  - {name: $v, emptyDir: {}}"; done
+}
+{ pod_yaml writer data logs; echo ---; pod_yaml cache cache; } | k apply -f - >/dev/null
+pods_running() { [ "$(k -n "$APP" get pods --field-selector status.phase=Running -o name | wc -l)" -eq 2 ]; }
+wait_until 60 "the two pods Running" pods_running
+voldir() { echo "$W/pods/$(k -n "$1" get pod "$2" -o jsonpath='{.metadata.uid}')/volumes/kubernetes.io~empty-dir/$3"; }
+rnd() { mkdir -p "$(dirname "$1")"; head -c "$2" /dev/urandom >"$1"; }
+d=$(voldir "$APP" writer data)
+rnd "$d/db/table-1.bin" $((3 * 1024 * 1024)); rnd "$d/db/table-2.bin" $((1024 * 1024 + 17)); rnd "$d/conf/app.conf" 4099
+: >"$d/empty"; chmod 0640 "$d/conf/app.conf"; chmod 0700 "$d/db"; touch -d '2024-02-29 12:34:56.789' "$d/db/table-2.bin"
+d=$(voldir "$APP" writer logs)
+rnd "$d/app.log" $((2 * 1024 * 1024 + 12345)); rnd "$d/rotated/app.log.1" 777777
+d=$(voldir "$APP" cache cache)
+rnd "$d/blob" $((4 * 1024 * 1024)); for i in 1 2 3 4 5 6 7 8; do rnd "$d/small/$i" $((i * 1000 + 1)); done
+chmod 0755 "$d/blob"
+python3 - "$W/expected.json" "$(voldir "$APP" writer data)" "$(voldir "$APP" writer logs)" "$(voldir "$APP" cache cache)" <<'EOF'
+import json, os, sys
+out, dirs = sys.argv[1], dict(zip(["writer/data", "writer/logs", "cache/cache"], sys.argv[2:]))
+exp = {k: sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(d) for f in fs) for k, d in dirs.items()}
+json.dump(exp, open(out, "w"))
+EOF
+echo "  bytes written per volume: $(cat "$W/expected.json") (total $(python3 -c 'import json,sys; print(sum(json.load(open(sys.argv[1])).values()))' "$W/expected.json"))"
+for pv in writer/data writer/logs cache/cache; do
+  python3 "$tools/checks.py" tree "$(voldir "$APP" "${pv%/*}" "${pv#*/}")" >"$W/source-${pv%/*}-${pv#*/}.tree"
+done
+step_end
+
+step_begin "case 1: velero backup create b1 --include-namespaces $APP --wait"
+brc=0; bounded "$W/backup-create.out" "${vel_cmd[@]}" backup create b1 --include-namespaces "$APP" --wait || brc=$?
+sed 's/^/  | /' "$W/backup-create.out" | tail -n 5
+step_end
+k -n "$VNS" get backup b1 -o json >"$W/backup-b1.json"
+k -n "$VNS" get podvolumebackups -l velero.io/backup-name=b1 -o json --show-managed-fields >"$W/pvbs.json"
+bphase=$(k -n "$VNS" get backup b1 -o jsonpath='{.status.phase}')
+echo "  Backup b1: phase $bphase, $(k -n "$VNS" get backup b1 -o jsonpath='{.status.startTimestamp} -> {.status.completionTimestamp}, items {.status.progress.itemsBackedUp}/{.status.progress.totalItems}, errors {.status.errors}, warnings {.status.warnings}')"
+check "velero backup create --wait returned 0" [ "$brc" -eq 0 ]
+check "Backup b1 phase Completed" [ "$bphase" = Completed ]
+pycheck pvbs "$W/pvbs.json" "$W/expected.json" "$NODE"
+# What Velero's server recorded in the bucket for each volume (the same file `velero backup
+# describe --details` shows; read directly, see tools/velero-smoke/bucket.py).
+if bucket json "$PREFIX/backups/b1/b1-volumeinfo.json.gz" >"$W/b1-volumeinfo.json" 2>"$W/bucket.err"; then
+  pycheck volumeinfo "$W/b1-volumeinfo.json" "$W/pvbs.json"
+else
+  fail "reading $PREFIX/backups/b1/b1-volumeinfo.json.gz: $(tail -n 1 "$W/bucket.err")"
+fi
+brepo=$(k -n "$VNS" get backuprepositories -l "velero.io/volume-namespace=$APP" -o jsonpath='{range .items[*]}{.metadata.name} {.status.phase} {.spec.resticIdentifier}{"\n"}{end}')
+echo "  BackupRepository: $brepo"
+check "BackupRepository $APP-default-kopia Ready" grep -q "^$APP-default-kopia Ready" <<<"$brepo"
+
+repo_password=$(k -n "$VNS" get secret velero-repo-credentials -o jsonpath='{.data.repository-password}' | base64 -d)
+# kopia_list <label>: `kopia snapshot list --all --json` of the namespace's repository, through a
+# fresh read-only connection as Velero's identity (default@default), into $W/kopia-<label>.json.
+kopia_list() {
+  local d=$W/kopia-check/$1 ak sk
+  mkdir -p "$d"
+  ak=$(sed -n 's/^aws_access_key_id = //p' "$W/cloud"); sk=$(sed -n 's/^aws_secret_access_key = //p' "$W/cloud")
+  kenv=(env -i PATH="$PATH" HOME="$d" KOPIA_PASSWORD="$repo_password" AWS_ACCESS_KEY_ID="$ak"
+    AWS_SECRET_ACCESS_KEY="$sk" KOPIA_CHECK_FOR_UPDATES=false KOPIA_LOG_DIR="$d/logs")
+  "${kenv[@]}" "$kopia" repository connect s3 --config-file "$d/repository.config" --cache-directory "$d/cache" \
+    --bucket "$BUCKET" --prefix "$PREFIX/kopia/$APP/" --endpoint "127.0.0.1:$s3_port" --region us-east-1 \
+    --root-ca-pem-path "$W/s3/ca.pem" --override-username=default --override-hostname=default --readonly \
+    >"$d/connect.log" 2>&1 || { fail "kopia repository connect s3 (bucket $BUCKET, prefix $PREFIX/kopia/$APP/): $(tail -n 3 "$d/connect.log")"; return 1; }
+  "${kenv[@]}" "$kopia" snapshot list --all --json --config-file "$d/repository.config" >"$W/kopia-$1.json" 2>"$d/list.log" \
+    || { fail "kopia snapshot list --all: $(tail -n 3 "$d/list.log")"; return 1; }
+}
+echo "  kopia repository s3://$BUCKET/$PREFIX/kopia/$APP/ as default@default:"
+if kopia_list after-backup; then pycheck kopia "$W/kopia-after-backup.json" "$W/pvbs.json" "$APP"; fi
+
+# --- case 2: restore -----------------------------------------------------------------------------
+step_begin "case 2: velero restore create r1 --from-backup b1 --namespace-mappings $APP:$APP2 --wait"
+rrc=0; bounded "$W/restore-create.out" "${vel_cmd[@]}" restore create r1 --from-backup b1 --namespace-mappings "$APP:$APP2" --wait || rrc=$?
+sed 's/^/  | /' "$W/restore-create.out" | tail -n 5
+step_end
+# The helper init container exits (and the fake kubelet reports the pods Running) once it has
+# seen every done file; give it a moment after the Restore's end.
+restored_running() { [ "$(k -n "$APP2" get pods --field-selector status.phase=Running -o name 2>/dev/null | wc -l)" -eq 2 ]; }
+settle 30 restored_running || echo "  (the restored pods are not Running 30 s after the restore: see below)"
+k -n "$VNS" get restore r1 -o json >"$W/restore-r1.json"
+k -n "$VNS" get podvolumerestores -l velero.io/restore-name=r1 -o json --show-managed-fields >"$W/pvrs.json"
+k -n "$APP2" get pods -o json >"$W/restored-pods.json"
+rphase=$(k -n "$VNS" get restore r1 -o jsonpath='{.status.phase}')
+echo "  Restore r1: phase $rphase, $(k -n "$VNS" get restore r1 -o jsonpath='{.status.startTimestamp} -> {.status.completionTimestamp}, items {.status.progress.itemsRestored}/{.status.progress.totalItems}, errors {.status.errors}, warnings {.status.warnings}')"
+check "velero restore create --wait returned 0" [ "$rrc" -eq 0 ]
+check "Restore r1 phase Completed" [ "$rphase" = Completed ]
+echo '{"writer": ["data", "logs"], "cache": ["cache"]}' >"$W/volumes.json"
+if bucket json "$PREFIX/restores/r1/restore-r1-results.gz" >"$W/r1-results.json" 2>"$W/bucket.err"; then
+  echo "  the restore's results ($PREFIX/restores/r1/restore-r1-results.gz): $(cat "$W/r1-results.json")"
+else
+  fail "reading $PREFIX/restores/r1/restore-r1-results.gz: $(tail -n 1 "$W/bucket.err")"
+fi
+pycheck restored-pods "$W/restored-pods.json" "$W/restore-r1.json" "$W/fake-kubelet.events" "$W/volumes.json"
+pycheck pvrs "$W/pvrs.json" "$W/pvbs.json" "$W/expected.json" "$NODE" "$W/restore-r1.json"
+k -n "$VNS" get events -o json >"$W/events.json"
+pycheck events "$W/events.json" "$W/pvbs.json" "$W/pvrs.json"
+for pv in writer/data writer/logs cache/cache; do
+  pod=${pv%/*} vol=${pv#*/}
+  src=$(voldir "$APP" "$pod" "$vol") dst=$(voldir "$APP2" "$pod" "$vol")
+  pycheck same-tree "$src" "$dst" "$APP2/$pv"
+done
+
+# --- case 3: delete ------------------------------------------------------------------------------
+step_begin "case 3: velero backup delete b1 --confirm (until the Backup is gone)"
+bounded "$W/backup-delete.out" "${vel_cmd[@]}" backup delete b1 --confirm || fail "velero backup delete b1 --confirm: $(cat "$W/backup-delete.out")"
+sed 's/^/  | /' "$W/backup-delete.out"
+backup_gone() { ! k -n "$VNS" get backup b1 >/dev/null 2>&1; }
+gone=0; settle "$TIMEOUT" backup_gone && gone=1
+step_end
+check "Backup b1 deleted" [ "$gone" = 1 ]
+k -n "$VNS" get deletebackuprequests -o jsonpath='{range .items[*]}  DeleteBackupRequest {.metadata.name}: {.status.phase} {.status.errors}{"\n"}{end}' 2>/dev/null || true
+left=$(k -n "$VNS" get podvolumebackups -l velero.io/backup-name=b1 -o name | wc -l)
+echo "  PodVolumeBackups of b1 left: $left; Restores left: $(k -n "$VNS" get restores -o name | wc -l), PodVolumeRestores left: $(k -n "$VNS" get podvolumerestores -o name | wc -l)"
+if kopia_list after-delete; then pycheck gone "$W/kopia-after-delete.json" "$W/pvbs.json"; fi
+objs=$(bucket count "$PREFIX/backups/b1/" "$PREFIX/kopia/") || objs="? ?"
+echo "  objects in the bucket: $PREFIX/backups/b1/: ${objs% *}, $PREFIX/kopia/: ${objs#* }"
+check "the backup's objects removed from $PREFIX/backups/b1/" [ "${objs% *}" = 0 ]
+
+# --- the agent itself --------------------------------------------------------------------------------
+say "== the agent and the server over the whole run"
+check "the agent is still running" group_alive "$agent_pg"
+check "the velero server is still running" group_alive "$velero_pg"
+n_err=$(grep -c ' ERROR ' "$W/agent.log" || true)
+n_warn=$(grep -c ' WARN ' "$W/agent.log" || true)
+echo "  agent log: $(wc -l <"$W/agent.log") lines, $n_err ERROR, $n_warn WARN"
+grep -E ' (ERROR|WARN) ' "$W/agent.log" | cut -c1-300 | head -n 20 | sed 's/^/  | /' || true
+check "no ERROR line in the agent's log" [ "$n_err" -eq 0 ]
+home_files=$(find "$W/agent/home" -mindepth 1 | wc -l)
+check "the agent and its kopia wrote nothing under HOME (read-only root filesystem in the DaemonSet)" [ "$home_files" -eq 0 ]
+verr=$(grep -c 'level=error' "$W/velero-server.log" || true)
+echo "  velero server log: $(wc -l <"$W/velero-server.log") lines, $verr level=error (the first two, before the first BSL validation, are normal):"
+grep 'level=error' "$W/velero-server.log" | sed -E 's/^time="[^"]*" //' | cut -c1-300 | head -n 10 | sed 's/^/  | /' || true
+curl -fsS "http://127.0.0.1:$agent_port/metrics" 2>/dev/null | grep -E '^podvolume_agent_(operations|status_writes)_total' | sed 's/^/  metric /' || true
+
+# --- summary -------------------------------------------------------------------------------------
+echo
+echo "time per step:"
+printf '  %s\n' "${steps[@]}"
+echo "  total: $(elapsed "$t_start") s"
+if [ "$failures" -gt 0 ]; then
+  echo "velero-smoke: $failures check(s) FAILED"
+  exit 1
+fi
+echo "velero-smoke: every check passed"
+exit 0
+}
