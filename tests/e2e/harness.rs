@@ -66,6 +66,18 @@ impl Flavour {
     }
 }
 
+/// A Velero Restore (see [`Env::create_restore`]).
+pub struct RestoreRef {
+    pub name: String,
+    pub uid: String,
+}
+
+impl RestoreRef {
+    pub fn owner_reference(&self) -> serde_json::Value {
+        json!({"apiVersion": "velero.io/v1", "kind": "Restore", "name": self.name, "uid": self.uid})
+    }
+}
+
 pub enum Backend {
     StandIn(TestApiServer),
     Real(PathBuf),
@@ -77,7 +89,11 @@ pub struct Env {
     /// real cluster may differ from the one the test asked for.
     pub flavour: Flavour,
     pub client: Client,
+    /// The tests' own identity (admin on a real cluster).
     pub kubeconfig: PathBuf,
+    /// The agent's: on a real cluster the ServiceAccount and RBAC of `daemonset/` (see
+    /// `identity.rs`); on the stand-in, which does no authorisation, the same as `kubeconfig`.
+    pub agent_kubeconfig: PathBuf,
     /// Velero's namespace: where the PodVolumeBackups/Restores live.
     pub ns: String,
     /// The application pods' namespace.
@@ -310,6 +326,13 @@ impl Env {
             let obj: Namespace = serde_json::from_value(json!({"metadata": {"name": n}})).unwrap();
             let _ = namespaces.create(&PostParams::default(), &obj).await;
         }
+        let agent_kubeconfig = match &backend {
+            Backend::StandIn(_) => kubeconfig.clone(),
+            Backend::Real(_) => {
+                ensure_nodes(&client).await;
+                crate::identity::node_agent_kubeconfig(&client, &kubeconfig, &ns, tmp.path()).await
+            }
+        };
         let pods_dir = tmp.path().join("pods");
         std::fs::create_dir_all(&pods_dir).unwrap();
         let password_file = tmp.path().join("repo-password");
@@ -330,6 +353,7 @@ impl Env {
             flavour,
             client,
             kubeconfig,
+            agent_kubeconfig,
             ns,
             app_ns,
             pods_dir,
@@ -459,20 +483,48 @@ impl Env {
             .unwrap()
     }
 
+    /// The Velero Restore a test's PodVolumeRestores belong to. On a real cluster it is a real
+    /// Restore object: Velero sets it as each PVR's owner, and the garbage collector deletes a
+    /// PVR whose owner does not exist. The stand-in has no Restore kind (and no collector): there
+    /// the UID is made up. The agent names the done file after this UID.
+    pub async fn create_restore(&self, name: &str) -> RestoreRef {
+        if self.standin().is_some() {
+            return RestoreRef {
+                name: name.to_string(),
+                uid: format!("{name}-uid"),
+            };
+        }
+        use kube::api::{ApiResource, DynamicObject, GroupVersionKind};
+        let gvk = GroupVersionKind::gvk("velero.io", "v1", "Restore");
+        let api: Api<DynamicObject> =
+            Api::namespaced_with(self.client.clone(), &self.ns, &ApiResource::from_gvk(&gvk));
+        let obj: DynamicObject = serde_json::from_value(json!({
+            "apiVersion": "velero.io/v1", "kind": "Restore",
+            "metadata": {"name": name, "namespace": self.ns},
+            "spec": {"backupName": "b1"},
+        }))
+        .unwrap();
+        let created = api.create(&PostParams::default(), &obj).await.unwrap();
+        RestoreRef {
+            name: name.to_string(),
+            uid: created.uid().unwrap(),
+        }
+    }
+
     pub async fn create_pvr(
         &self,
         name: &str,
         pod: &Pod,
         volume: &str,
         snapshot: &str,
-        restore_uid: &str,
+        restore: &RestoreRef,
     ) -> PodVolumeRestore {
         let obj: PodVolumeRestore = serde_json::from_value(json!({
             "apiVersion": "velero.io/v1", "kind": "PodVolumeRestore",
             "metadata": {
                 "name": name, "namespace": self.ns,
-                "labels": {"velero.io/restore-name": "r1", "velero.io/restore-uid": restore_uid, "velero.io/pod-uid": pod.uid()},
-                "ownerReferences": [{"apiVersion": "velero.io/v1", "kind": "Restore", "name": "r1", "uid": restore_uid}],
+                "labels": {"velero.io/restore-name": restore.name, "velero.io/restore-uid": restore.uid, "velero.io/pod-uid": pod.uid()},
+                "ownerReferences": [restore.owner_reference()],
             },
             "spec": {
                 "pod": {"kind": "Pod", "namespace": pod.namespace(), "name": pod.name_any(), "uid": pod.uid()},
@@ -559,7 +611,7 @@ impl Env {
         let log = self.tmp.path().join(format!("agent-{node}-{port}.log"));
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_podvolume-agent"));
         cmd.arg("run")
-            .arg(format!("--kubeconfig={}", self.kubeconfig.display()))
+            .arg(format!("--kubeconfig={}", self.agent_kubeconfig.display()))
             .arg(format!("--node-name={node}"))
             .arg(format!("--namespace={}", self.ns))
             .arg(format!("--host-pods-dir={}", self.pods_dir.display()))
@@ -891,6 +943,24 @@ pub async fn create_storage_location(
     }))
     .unwrap();
     api.create(&PostParams::default(), &obj).await.unwrap();
+}
+
+/// The test nodes as Node objects: a real control plane's pod garbage collector force-deletes
+/// pods bound to a node that does not exist (about 40 s after they are created).
+async fn ensure_nodes(client: &Client) {
+    use k8s_openapi::api::core::v1::Node;
+    let nodes: Api<Node> = Api::all(client.clone());
+    for name in [NODE, OTHER_NODE] {
+        if nodes.get_opt(name).await.unwrap().is_none() {
+            let node: Node = serde_json::from_value(json!({"metadata": {"name": name}})).unwrap();
+            match nodes.create(&PostParams::default(), &node).await {
+                Ok(_) => {}
+                // Another test made it first.
+                Err(kube::Error::Api(s)) if s.code == 409 => {}
+                Err(e) => panic!("creating Node {name}: {e}"),
+            }
+        }
+    }
 }
 
 async fn ensure_crds(client: &Client) {

@@ -327,11 +327,12 @@ async fn velero_117_kopia_backup_incremental_and_restore() {
 
     // The restore, as Velero 1.17+ creates it (no repoIdentifier, uploaderSettings).
     let (dst_pod, dst) = env.create_pod("kopia-dst", NODE, &["data"]).await;
+    let restore = env.create_restore("r1").await;
     let pvr: PodVolumeRestore = serde_json::from_value(json!({
         "apiVersion": "velero.io/v1", "kind": "PodVolumeRestore",
         "metadata": {
             "name": "pvr-k", "namespace": env.ns,
-            "ownerReferences": [{"apiVersion": "velero.io/v1", "kind": "Restore", "name": "r1", "uid": "restore-uid-k"}],
+            "ownerReferences": [restore.owner_reference()],
         },
         "spec": {
             "pod": {"kind": "Pod", "namespace": env.app_ns, "name": "kopia-dst", "uid": dst_pod.metadata.uid},
@@ -370,7 +371,7 @@ async fn velero_117_kopia_backup_incremental_and_restore() {
         !dst["data"].join("new.txt").exists(),
         "the first snapshot was restored"
     );
-    assert!(dst["data"].join(".velero/restore-uid-k").is_file());
+    assert!(dst["data"].join(".velero").join(&restore.uid).is_file());
     let rp = rst.progress.unwrap();
     assert_eq!(
         (rp.bytes_done, rp.total_bytes),

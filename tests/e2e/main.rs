@@ -5,6 +5,7 @@
 //! the stand-in and say so when skipped.
 
 mod harness;
+mod identity;
 mod kopia;
 #[path = "../s3/mod.rs"]
 mod s3;
@@ -839,7 +840,8 @@ async fn restore_waits_for_the_restore_helper_to_run() {
     let env = Env::new(Flavour::Velero).await;
     let (agent, src, id, _) = backed_up(&env, &[("a.bin", 3 << 20), ("d/b.txt", 77)]).await;
     let (dst_pod, dst) = env.create_pod_with("dst-pod", NODE, &["data"], true).await;
-    env.create_pvr("pvr-wait", &dst_pod, "data", &id, "restore-uid-w")
+    let restore = env.create_restore("r-wait").await;
+    env.create_pvr("pvr-wait", &dst_pod, "data", &id, &restore)
         .await;
     tokio::time::sleep(Duration::from_secs(4)).await;
     let waiting = env.pvrs().get("pvr-wait").await.unwrap();
@@ -863,7 +865,7 @@ async fn restore_waits_for_the_restore_helper_to_run() {
         std::fs::read(src["data"].join("d/b.txt")).unwrap(),
         std::fs::read(dst["data"].join("d/b.txt")).unwrap()
     );
-    assert!(dst["data"].join(".velero/restore-uid-w").exists());
+    assert!(dst["data"].join(".velero").join(&restore.uid).exists());
     env.cleanup().await;
 }
 
@@ -877,7 +879,8 @@ async fn a_restore_interrupted_max_attempts_times_is_failed_not_started_again() 
     agent.signal(Signal::SIGTERM);
     agent.wait(Duration::from_secs(10));
     let (dst_pod, dst) = env.create_pod("dst-pod", NODE, &["data"]).await;
-    env.create_pvr("pvr-attempts", &dst_pod, "data", &id, "restore-uid-a")
+    let restore = env.create_restore("r-attempts").await;
+    env.create_pvr("pvr-attempts", &dst_pod, "data", &id, &restore)
         .await;
     set_attempts(&env.pvrs(), "pvr-attempts", 2).await;
     let mut agent = env.start_agent(NODE, &["--max-attempts=2"]);
@@ -918,9 +921,11 @@ async fn restore_into_another_pod(flavour: Flavour) {
     .await;
     let (dst_pod, dst) = env.create_pod("dst-pod", NODE, &["data"]).await;
     let (far_pod, _) = env.create_pod("far-pod", OTHER_NODE, &["data"]).await;
-    env.create_pvr("pvr-far", &far_pod, "data", &id, "restore-uid-2")
+    let far_restore = env.create_restore("r-far").await;
+    env.create_pvr("pvr-far", &far_pod, "data", &id, &far_restore)
         .await;
-    env.create_pvr("pvr-1", &dst_pod, "data", &id, "restore-uid-1")
+    let restore = env.create_restore("r1").await;
+    env.create_pvr("pvr-1", &dst_pod, "data", &id, &restore)
         .await;
     let r = env
         .wait_pvr(
@@ -950,7 +955,7 @@ async fn restore_into_another_pod(flavour: Flavour) {
         .flatten()
         .map(|e| e.file_name())
         .collect();
-    assert_eq!(entries, vec![std::ffi::OsString::from("restore-uid-1")]);
+    assert_eq!(entries, vec![std::ffi::OsString::from(&restore.uid)]);
     // The restore for a pod on another node is not touched.
     let far = env.pvrs().get("pvr-far").await.unwrap();
     assert!(far.status.is_none(), "{:?}", far.status);

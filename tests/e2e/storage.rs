@@ -178,11 +178,12 @@ async fn two_locations_with_their_own_credentials_and_cas() {
 
     // A restore from location b, byte for byte.
     let (dst_pod, dst) = env.create_pod("s3-dst", NODE, &["vb"]).await;
+    let restore = env.create_restore("r1").await;
     let pvr: PodVolumeRestore = serde_json::from_value(json!({
         "apiVersion": "velero.io/v1", "kind": "PodVolumeRestore",
         "metadata": {
             "name": "pvr-b", "namespace": env.ns,
-            "ownerReferences": [{"apiVersion": "velero.io/v1", "kind": "Restore", "name": "r1", "uid": "restore-uid-s3"}],
+            "ownerReferences": [restore.owner_reference()],
         },
         "spec": {
             "pod": {"kind": "Pod", "namespace": env.app_ns, "name": "s3-dst", "uid": dst_pod.metadata.uid},
