@@ -44,6 +44,16 @@ fi
 # The S3 server of the object-storage tests (moto, in a venv under target/test-tools/).
 scripts/install-moto.sh
 restic_new=$(scripts/fetch-restic-trixie.sh)
+
+# The real control plane and Velero server (Go builds of many minutes the first time on a
+# machine, nothing after): built in the background, at low priority, while the Rust build and the
+# suites that need no API server run; scripts/test-real-cluster.sh waits for them below.
+mkdir -p target/test-tools
+tools_log=target/test-tools/real-cluster-tools.log
+( nice -n 10 scripts/install-control-plane.sh && nice -n 10 scripts/install-velero.sh 1.18.3 ) >"$tools_log" 2>&1 &
+tools_pid=$!
+trap 'kill "$tools_pid" 2>/dev/null || true' EXIT
+
 # kopia: every pinned version (a few minutes each the first time on a machine, then nothing).
 declare -A kopia_at=()
 while read -r version path; do kopia_at[$version]=$path; done < <(scripts/install-kopia.sh)
@@ -67,40 +77,66 @@ bounded() {
   return "$rc"
 }
 
-# Pass 1: every test, restic from PATH.
-echo "== pass 1: every test with $(restic version) ($(command -v restic)) and kopia $("$PODVOLUME_TEST_KOPIA" --version) =="
-bounded 2400 cargo test --workspace --no-fail-fast
-run cargo test --test restic_engine --test cli --test s3_cli --test e2e -- --show-output restic_under_test
-run cargo test --test kopia_engine --test kopia_parser --test s3_cli --test cli --test e2e -- --show-output kopia_under_test
+# Every test target but the end-to-end suite, which runs on the real API server below (and on
+# the stand-in only for the cases that need its fault injection).
+not_e2e=(--lib --bins --test cli --test kopia_engine --test kopia_parser --test manifests
+  --test opsapi --test plugin --test restic_engine --test restic_parser --test s3_cli
+  --test volume_path)
+stand_in_only=(api_outage_mid_backup_the_result_still_lands a_queued_backup_whose_start_meets_api_errors_still_runs
+  conflict_storm_on_status_writes a_result_saved_during_an_outage_is_reported_after_a_restart_without_rerunning
+  the_assertions_follow_the_crds_the_api_server_serves)
 
-# The kopia suites again with every other pinned kopia: the engine and parser whole, and the
-# end-to-end kopia cases (tests/e2e/kopia.rs).
+# Pass 1: every test but the end-to-end suite, restic from PATH.
+echo "== pass 1: every test with $(restic version) ($(command -v restic)) and kopia $("$PODVOLUME_TEST_KOPIA" --version) =="
+bounded 2400 cargo test --workspace --no-fail-fast --exclude podvolume-testbed "${not_e2e[@]}"
+bounded 600 cargo test --doc
+bounded 600 cargo test -p podvolume-testbed
+echo "== the end-to-end cases that need the API stand-in's fault injection (every other e2e case runs on the real API server below) =="
+bounded 1200 cargo test --test e2e -- --exact "${stand_in_only[@]}"
+run cargo test --test restic_engine --test cli --test s3_cli -- --show-output restic_under_test
+run cargo test --test kopia_engine --test kopia_parser --test s3_cli --test cli -- --show-output kopia_under_test
+
+# The kopia suites again with every other pinned kopia: the engine and parser whole, the CLI's
+# kopia cases (the end-to-end kopia cases: scripts/test-real-cluster.sh).
 for version in "${!kopia_at[@]}"; do
   [ "$version" = "$kopia_main" ] && continue
   export PODVOLUME_TEST_KOPIA=${kopia_at[$version]} PODVOLUME_TEST_KOPIA_VERSION=$version
   echo "== kopia pass: kopia suites with kopia $("$PODVOLUME_TEST_KOPIA" --version) ($PODVOLUME_TEST_KOPIA) =="
   bounded 1200 cargo test --test kopia_engine --test kopia_parser
-  bounded 1200 cargo test --test e2e -- kopia::
   bounded 600 cargo test --test s3_cli --test cli -- kopia
-  run cargo test --test kopia_engine --test kopia_parser --test s3_cli --test cli --test e2e -- --show-output kopia_under_test
+  run cargo test --test kopia_engine --test kopia_parser --test s3_cli --test cli -- --show-output kopia_under_test
 done
 export PODVOLUME_TEST_KOPIA=${kopia_at[$kopia_main]} PODVOLUME_TEST_KOPIA_VERSION=$kopia_main
 
 # Pass 2: what depends on restic's own behaviour, with 0.18: the engine (backup, incremental,
-# exit 3, wrong password, missing repository, empty source, cancel, restore, locks), the CLI
-# whole (local and S3 over TLS), and the end-to-end cases of progress, cancel, exit 3, empty
-# volume, restore and object storage (BSLs, their failures, missing repositories). The
+# exit 3, wrong password, missing repository, empty source, cancel, restore, locks) and the CLI
+# whole (local and S3 over TLS); its end-to-end cases run on the real API server below. The
 # parser's 0.18 fixtures ran in pass 1 (they need no binary); so did the upgrade test, which
 # runs both versions itself. The S3 cases of an unknown certificate run with 0.14 only: restic
 # 0.18 retries a TLS failure of the backend for minutes before it gives up (seen still
 # retrying after 5 minutes), too long for a test run.
-export PODVOLUME_TEST_RESTIC=$restic_new PODVOLUME_TEST_RESTIC_VERSION=0.18.0
 echo "== pass 2: restic suites with $("$restic_new" version) ($restic_new) =="
-bounded 1200 cargo test --test restic_engine --test cli --test s3_cli -- --skip upgrade_014_to_018 \
+bounded 1200 env PODVOLUME_TEST_RESTIC="$restic_new" PODVOLUME_TEST_RESTIC_VERSION=0.18.0 cargo test --test restic_engine --test cli --test s3_cli -- --skip upgrade_014_to_018 \
   --skip without_the_ca --skip kopia
-bounded 1200 cargo test --test e2e -- backup_with_progress cancel_mid_backup deleting_a_running \
-  exit_3 empty_volume restore_ incremental_backup_uses restic_under_test \
-  two_locations missing_repository_is_created
-run cargo test --test restic_engine --test cli --test s3_cli --test e2e -- --show-output restic_under_test
+run env PODVOLUME_TEST_RESTIC="$restic_new" PODVOLUME_TEST_RESTIC_VERSION=0.18.0 cargo test --test restic_engine --test cli --test s3_cli -- --show-output restic_under_test
 
-echo "== all tests passed with restic $(restic version | awk '{print $2}') and $PODVOLUME_TEST_RESTIC_VERSION, kopia ${!kopia_at[*]} in $(($(date +%s) - started)) s =="
+# Pass 3: the real kube-apiserver and Velero server (scripts/test-real-cluster.sh): the whole
+# end-to-end suite as the agent's own ServiceAccount with each Velero's CRDs, the kopia e2e cases
+# with every pinned kopia, the restic e2e cases with 0.18, and the real Velero server driving the
+# agent.
+echo "== pass 3: waiting for the control plane and Velero builds (log: $tools_log) =="
+if ! wait "$tools_pid"; then
+  echo "test.sh: building the control plane or Velero failed:" >&2
+  tail -n 40 "$tools_log" >&2
+  exit 1
+fi
+trap - EXIT
+grep -E 'built in|building' "$tools_log" || echo "(control plane and Velero were in the tools cache)"
+kopia_others=()
+for version in "${!kopia_at[@]}"; do
+  [ "$version" = "$kopia_main" ] || kopia_others+=("$version=${kopia_at[$version]}")
+done
+bounded 3600 env PODVOLUME_KOPIA_OTHERS="${kopia_others[*]}" PODVOLUME_RESTIC_NEW="$restic_new" \
+  scripts/test-real-cluster.sh
+
+echo "== all tests passed with restic $(restic version | awk '{print $2}') and 0.18.0, kopia ${!kopia_at[*]}, on the stand-in and a real kube-apiserver, in $(($(date +%s) - started)) s =="

@@ -36,6 +36,17 @@
 #      PodVolumeRestore Completed by the agent; the done files seen by the helper; the restored
 #      trees identical (sha256, modes, mtimes).
 #   3. delete: `velero backup delete b1 --confirm` -> the Backup gone, the kopia manifests deleted.
+#   4. timeout: a Backup with the annotation velero.io/pod-volume-timeout: 20s of a volume kopia
+#      takes minutes over (a 64 GiB sparse file) -> Velero sets spec.cancel on the running
+#      PodVolumeBackup ("Cancel PVB on pod volume timeout"), the agent stops kopia: the PVB ends
+#      Canceled with no snapshot, no kopia process is left, our finalizer is gone; the Backup
+#      ends PartiallyFailed.
+#   5. server restart: the same kind of backup, and `velero server` stopped and started again
+#      mid-transfer -> at start Velero fails the Backup and sets spec.cancel on its PVB ("during
+#      the velero server starting, mark it as cancel"): the same checks as 4, the Backup Failed.
+#   (Velero refuses to delete a backup that is still in progress -- its DeleteBackupRequest ends
+#   with "backup is still in progress" -- so a deletion mid-transfer never reaches the agent
+#   through Velero; deleting a PodVolumeBackup itself is tests/e2e's deleting_a_running_backup.)
 #
 # Prints PASS/FAIL per check with the figures, the time per step, and exits 1 if any check failed
 # (the work directory, with every log, is then kept and named).
@@ -319,15 +330,19 @@ velero_args=$(k -n "$VNS" get deploy velero -o jsonpath='{.spec.template.spec.co
 echo "  the Deployment's arguments: $velero_args"
 # Stopped with 5 s of grace: with a backup in progress (an interrupted run) its own graceful stop
 # waits 30 s, and nothing of it is needed after the run.
-start_group velero-server 5 "$W/velero-server.log" env TMPDIR="$W/velero/tmp" HOME="$W/velero/home" \
-  VELERO_SCRATCH_DIR="$W/velero/scratch" VELERO_NAMESPACE="$VNS" \
-  AWS_SHARED_CREDENTIALS_FILE="$W/velero/credentials/cloud" \
-  "$velero" server --features= --uploader-type=kopia \
-  --kubeconfig "$W/velero-sa.kubeconfig" --namespace "$VNS" --plugin-dir "$vdir/plugins" \
-  --metrics-address "127.0.0.1:$(free_port)" --profiler-address= --log-level info
-velero_pg=${groups[-1]#*:}; velero_pg=${velero_pg%%:*}
+start_velero_server() { # [log file]
+  velero_log=${1:-$W/velero-server.log}
+  start_group velero-server 5 "$velero_log" env TMPDIR="$W/velero/tmp" HOME="$W/velero/home" \
+    VELERO_SCRATCH_DIR="$W/velero/scratch" VELERO_NAMESPACE="$VNS" \
+    AWS_SHARED_CREDENTIALS_FILE="$W/velero/credentials/cloud" \
+    "$velero" server --features= --uploader-type=kopia \
+    --kubeconfig "$W/velero-sa.kubeconfig" --namespace "$VNS" --plugin-dir "$vdir/plugins" \
+    --metrics-address "127.0.0.1:$(free_port)" --profiler-address= --log-level info
+  velero_pg=${groups[-1]#*:}; velero_pg=${velero_pg%%:*}
+}
+start_velero_server
 bsl_available() {
-  group_alive "$velero_pg" || die "velero server exited: $(tail -n 20 "$W/velero-server.log")"
+  group_alive "$velero_pg" || die "velero server (process group $velero_pg) exited: $(tail -n 20 "$velero_log"; ps -e -o pid,pgid,stat,args | grep -F velero | cut -c1-160)"
   [ "$(k -n "$VNS" get bsl default -o jsonpath='{.status.phase}' 2>/dev/null)" = Available ]
 }
 wait_until "$TIMEOUT" "BackupStorageLocation default Available" bsl_available
@@ -492,6 +507,69 @@ if kopia_list after-delete; then pycheck gone "$W/kopia-after-delete.json" "$W/p
 objs=$(bucket count "$PREFIX/backups/b1/" "$PREFIX/kopia/") || objs="? ?"
 echo "  objects in the bucket: $PREFIX/backups/b1/: ${objs% *}, $PREFIX/kopia/: ${objs#* }"
 check "the backup's objects removed from $PREFIX/backups/b1/" [ "${objs% *}" = 0 ]
+
+# --- cases 4 and 5: Velero cancels a running backup --------------------------------------------------
+# A volume kopia takes long over: a 64 GiB sparse file (kopia reads and hashes every zero; nothing
+# new to upload), so the backup is surely mid-transfer when Velero acts.
+SLOW=smoke-slow
+k create namespace "$SLOW" >/dev/null
+APP=$SLOW pod_yaml slow data | k apply -f - >/dev/null
+slow_running() { [ "$(k -n "$SLOW" get pod slow -o jsonpath='{.status.phase}' 2>/dev/null)" = Running ]; }
+wait_until 60 "pod $SLOW/slow Running" slow_running
+d=$(voldir "$SLOW" slow data)
+rnd "$d/head.bin" 65536; truncate -s 64G "$d/huge.img"
+pvb_of() { k -n "$VNS" get podvolumebackups -l "velero.io/backup-name=$1" -o jsonpath="{.items[0].$2}" 2>/dev/null; }
+backup_phase() { k -n "$VNS" get backup "$1" -o jsonpath='{.status.phase}' 2>/dev/null; }
+# The agent's uploaders are its children (each in a process group of its own).
+uploaders() { pgrep -P "$agent_pg" -a 2>/dev/null | grep -c -- "$kopia" || true; }
+pvb_moving() { [ "$(pvb_of "$1" status.phase)" = InProgress ] && [ "$(uploaders)" -ge 1 ]; }
+backup_backing_up_slow() { # <name> [annotations as JSON]
+  k apply -f - >/dev/null <<EOF
+apiVersion: velero.io/v1
+kind: Backup
+metadata: {name: $1, namespace: $VNS, annotations: ${2:-{\}}}
+spec: {includedNamespaces: [$SLOW], storageLocation: default}
+EOF
+  wait_until "$TIMEOUT" "the PodVolumeBackup of $1 InProgress with kopia running" pvb_moving "$1"
+}
+# ended_by_cancel <backup> <case>: the PVB ends Canceled (spec.cancel set by Velero), no uploader
+# is left, our finalizer is gone, no snapshot is reported.
+ended_by_cancel() {
+  local b=$1 phase t0=$SECONDS
+  pvb_terminal() { case "$(pvb_of "$b" status.phase)" in Completed | Failed | Canceled) return 0 ;; *) return 1 ;; esac; }
+  settle "$TIMEOUT" pvb_terminal || true
+  phase=$(pvb_of "$b" status.phase)
+  echo "  PodVolumeBackup $(pvb_of "$b" metadata.name): phase $phase after $((SECONDS - t0)) s more, spec.cancel=$(pvb_of "$b" spec.cancel),"\
+    "message: $(pvb_of "$b" status.message | cut -c1-200)"
+  check "$2: Velero set spec.cancel on the PodVolumeBackup" [ "$(pvb_of "$b" spec.cancel)" = true ]
+  check "$2: the PodVolumeBackup ends Canceled" [ "$phase" = Canceled ]
+  check "$2: no snapshotID is reported for the canceled transfer" [ -z "$(pvb_of "$b" status.snapshotID)" ]
+  no_uploader() { [ "$(uploaders)" -eq 0 ]; }
+  settle 30 no_uploader || true
+  check "$2: no kopia process left" [ "$(uploaders)" -eq 0 ]
+  check "$2: the agent's finalizer is gone" eval '! pvb_of "$b" metadata.finalizers | grep -q pod-volume-finalizer'
+}
+
+step_begin "case 4: a backup timed out by Velero mid-transfer (annotation velero.io/pod-volume-timeout: 20s)"
+backup_backing_up_slow b-timeout '{velero.io/pod-volume-timeout: 20s}'
+backup_ended() { case "$(backup_phase "$1")" in Completed | PartiallyFailed | Failed) return 0 ;; *) return 1 ;; esac; }
+settle "$TIMEOUT" backup_ended b-timeout || true
+echo "  Backup b-timeout: phase $(backup_phase b-timeout), errors $(k -n "$VNS" get backup b-timeout -o jsonpath='{.status.errors}')"
+check "Backup b-timeout ends PartiallyFailed (its volume timed out)" [ "$(backup_phase b-timeout)" = PartiallyFailed ]
+ended_by_cancel b-timeout "timeout"
+step_end
+
+step_begin "case 5: the Velero server restarted mid-backup"
+backup_backing_up_slow b-restart
+stop_group velero-server "$velero_pg" 5
+echo "  velero server stopped with backup b-restart $(backup_phase b-restart); starting it again (log: velero-server-2.log)"
+start_velero_server "$W/velero-server-2.log"
+wait_until "$TIMEOUT" "BackupStorageLocation default Available after the restart" bsl_available
+settle "$TIMEOUT" backup_ended b-restart || true
+echo "  Backup b-restart: phase $(backup_phase b-restart), failureReason: $(k -n "$VNS" get backup b-restart -o jsonpath='{.status.failureReason}')"
+check "Backup b-restart ends Failed (Velero fails backups it finds InProgress at start)" [ "$(backup_phase b-restart)" = Failed ]
+ended_by_cancel b-restart "server restart"
+step_end
 
 # --- the agent itself --------------------------------------------------------------------------------
 say "== the agent and the server over the whole run"

@@ -424,9 +424,20 @@ fn error_policy<K>(_obj: Arc<K>, error: &Error, _ctx: Arc<Context>) -> Action {
     Action::requeue(Duration::from_secs(5))
 }
 
-async fn log_controller_result<T: std::fmt::Debug, E: std::fmt::Display>(r: Result<T, E>) {
-    if let Err(e) = r {
-        tracing::warn!(error = %e, "controller");
+async fn log_controller_result<T, E1, E2>(r: Result<T, kube::runtime::controller::Error<E1, E2>>)
+where
+    E1: std::error::Error + 'static,
+    E2: std::error::Error + 'static,
+{
+    match r {
+        Ok(_) => {}
+        // An object deleted between its trigger and its reconcile (every PVB/PVR that Velero
+        // deletes with its backup or restore): nothing to do, and nothing an operator should
+        // be warned about once per object.
+        Err(kube::runtime::controller::Error::ObjectNotFound(obj)) => {
+            tracing::debug!(object = %obj, "deleted before its reconcile; nothing to do");
+        }
+        Err(e) => tracing::warn!(error = %e, "controller"),
     }
 }
 

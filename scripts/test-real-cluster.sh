@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# The tests that run against a real Kubernetes control plane and the real Velero server; part of
+# the test command (scripts/test.sh runs it last), runnable alone once the tools are built:
+#
+#   scripts/test-real-cluster.sh
+#
+# 1. Builds (once per machine, cached) kube-apiserver, kube-controller-manager, etcd, kubectl
+#    (scripts/install-control-plane.sh) and Velero 1.18.3 with velero-plugin-for-aws
+#    (scripts/install-velero.sh), then starts the control plane in a temporary directory
+#    (scripts/start-control-plane.sh), stopped and removed on exit, also on failure.
+# 2. The end-to-end suite (tests/e2e) on it, the agent running as daemonset/'s ServiceAccount
+#    and RBAC (tests/e2e/identity.rs), with the CRDs each Velero installs:
+#      a. Velero <= 1.16's PodVolumeBackup/Restore CRDs (../shared/reference/velero-crds/v1.15/,
+#         four phases) over Velero 1.18.3's others: the `velero_116` cases;
+#      b. then Velero 1.18.3's own (`velero install --crds-only`, applied over the old ones as
+#         Velero's upgrade instructions do): every case. The fault-injection cases skip
+#         themselves here (they run on the stand-in, in scripts/test.sh's pass 1);
+#      c. the kopia cases again with each kopia of PODVOLUME_KOPIA_OTHERS ("<version>=<binary>
+#         ..."), the restic cases with PODVOLUME_RESTIC_NEW (restic 0.18), as scripts/test.sh
+#         gives them.
+# 3. scripts/velero-smoke.sh: the real Velero 1.18.3 server drives the agent (backup, restore,
+#    delete) on a control plane of its own.
+#
+# Environment: PODVOLUME_TEST_KOPIA (the kopia the suites run; default: install-kopia.sh 0.22.3),
+# PODVOLUME_TOOLS_CACHE (the tools cache, as the install scripts).
+set -euo pipefail
+{
+cd "$(dirname "$0")/.."
+root=$(pwd)
+started=$(date +%s)
+say() { echo "test-real-cluster.sh: $*" >&2; }
+
+cp_bin=$(scripts/install-control-plane.sh)
+read -r velero_version velero_dir < <(scripts/install-velero.sh 1.18.3)
+if [ -z "${PODVOLUME_TEST_KOPIA:-}" ]; then
+  read -r v PODVOLUME_TEST_KOPIA < <(scripts/install-kopia.sh 0.22.3)
+  export PODVOLUME_TEST_KOPIA PODVOLUME_TEST_KOPIA_VERSION=$v
+fi
+crds_115=$root/../shared/reference/velero-crds/v1.15
+[ -f "$crds_115/velero.io_podvolumebackups.yaml" ] || { say "Velero 1.15's CRDs are missing: $crds_115"; exit 1; }
+
+cp_dir=$(mktemp -d /tmp/podvolume-cp.XXXXXX)
+stop() {
+  local rc=$?
+  CONTROL_PLANE_BIN=$cp_bin scripts/start-control-plane.sh --stop "$cp_dir" >&2 || true
+  if [ "$rc" -ne 0 ]; then
+    for f in kube-apiserver etcd kube-controller-manager; do
+      echo "--- last lines of $cp_dir/$f.log" >&2
+      tail -n 15 "$cp_dir/$f.log" >&2 || true
+    done
+  fi
+  rm -rf "$cp_dir"
+  exit "$rc"
+}
+trap stop EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+CONTROL_PLANE_BIN=$cp_bin scripts/start-control-plane.sh "$cp_dir" >"$cp_dir.env"
+mv "$cp_dir.env" "$cp_dir/start.env"
+export PODVOLUME_E2E_KUBECONFIG=$cp_dir/admin.kubeconfig
+k() { "$cp_bin/kubectl" --kubeconfig "$PODVOLUME_E2E_KUBECONFIG" "$@"; }
+echo "== real control plane: kube-apiserver $("$cp_bin/kube-apiserver" --version | cut -d' ' -f2)," \
+  "$("$cp_bin/etcd" --version | head -n1), kube-controller-manager $("$cp_bin/kube-controller-manager" --version | cut -d' ' -f2)," \
+  "server reports $(k version -o json | sed -n 's/.*"gitVersion": "\([^"]*\)".*/\1/p' | tail -n1) =="
+
+# Velero 1.18.3's CRDs, as its installer writes them; then its PodVolumeBackup/Restore CRDs
+# replaced by Velero 1.15's (what a cluster running Velero <= 1.16 has).
+"$velero_dir/velero" install --crds-only --dry-run -o yaml >"$cp_dir/velero-$velero_version-crds.yaml"
+k apply -f "$cp_dir/velero-$velero_version-crds.yaml" >/dev/null
+k apply -f "$crds_115/velero.io_podvolumebackups.yaml" -f "$crds_115/velero.io_podvolumerestores.yaml" >/dev/null
+k wait --for condition=established --timeout=60s crd/podvolumebackups.velero.io crd/podvolumerestores.velero.io >/dev/null
+echo "== e2e on the real API server with Velero 1.15's PodVolumeBackup/Restore CRDs: the velero_116 cases =="
+timeout --kill-after=30 1200 cargo test --test e2e -- velero_116
+
+k apply -f "$cp_dir/velero-$velero_version-crds.yaml" >/dev/null
+k wait --for condition=established --timeout=60s crd/podvolumebackups.velero.io crd/podvolumerestores.velero.io >/dev/null
+phases=$(k get crd podvolumebackups.velero.io -o jsonpath='{.spec.versions[0].schema.openAPIV3Schema.properties.status.properties.phase.enum}')
+echo "== e2e on the real API server with Velero $velero_version's CRDs (PodVolumeBackup phases $phases) =="
+timeout --kill-after=30 2400 cargo test --test e2e
+run_e2e_with() { echo "+ $*"; timeout --kill-after=30 1200 "$@"; }
+# The same real API server for the e2e cases that depend on the uploader's own behaviour, with
+# the other uploader versions scripts/test.sh gives (`<version>=<binary>` for kopia).
+for kv in ${PODVOLUME_KOPIA_OTHERS:-}; do
+  echo "== e2e kopia cases on the real API server with kopia $("${kv#*=}" --version) =="
+  run_e2e_with env PODVOLUME_TEST_KOPIA="${kv#*=}" PODVOLUME_TEST_KOPIA_VERSION="${kv%%=*}" \
+    cargo test --test e2e -- kopia::
+done
+if [ -n "${PODVOLUME_RESTIC_NEW:-}" ]; then
+  echo "== e2e restic cases on the real API server with $("$PODVOLUME_RESTIC_NEW" version) =="
+  run_e2e_with env PODVOLUME_TEST_RESTIC="$PODVOLUME_RESTIC_NEW" PODVOLUME_TEST_RESTIC_VERSION=0.18.0 \
+    cargo test --test e2e -- backup_with_progress cancel_mid_backup deleting_a_running exit_3 \
+    empty_volume restore_ incremental_backup_uses restic_under_test two_locations \
+    missing_repository_is_created
+fi
+CONTROL_PLANE_BIN=$cp_bin scripts/start-control-plane.sh --stop "$cp_dir" >&2
+
+echo "== the real Velero $velero_version server as the agent's client (scripts/velero-smoke.sh) =="
+cargo build --quiet --bin podvolume-agent
+PODVOLUME_AGENT=$root/target/debug/podvolume-agent scripts/velero-smoke.sh
+
+echo "== real-cluster tests passed in $(($(date +%s) - started)) s =="
+}
