@@ -60,7 +60,7 @@ pub struct ClientArgs {
     #[arg(short = 'o', long = "output", value_enum, default_value_t = OutputFormat::Table)]
     pub output: OutputFormat,
     /// Give up on the request after this long.
-    #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
+    #[arg(long, default_value = "30s", value_parser = parse_duration)]
     pub timeout: Duration,
 }
 
@@ -113,7 +113,7 @@ pub struct RunArgs {
     #[arg(long, env = "FAIL_ON_STALL")]
     pub fail_on_stall: bool,
     /// Time between SIGINT and SIGKILL when stopping an uploader.
-    #[arg(long, env = "CANCEL_GRACE", default_value = "10s", value_parser = humantime::parse_duration)]
+    #[arg(long, env = "CANCEL_GRACE", default_value = "10s", value_parser = parse_duration)]
     pub cancel_grace: Duration,
     /// Where the kubelet's pods directory is mounted.
     #[arg(long, env = "HOST_PODS_DIR", default_value = "/host_pods")]
@@ -169,7 +169,7 @@ pub struct RunArgs {
     #[arg(long, env = "PARTIAL_AS_COMPLETED")]
     pub partial_as_completed: bool,
     /// How long to wait for a repository lock held by a live process.
-    #[arg(long, env = "LOCK_WAIT", default_value = "2m", value_parser = humantime::parse_duration)]
+    #[arg(long, env = "LOCK_WAIT", default_value = "2m", value_parser = parse_duration)]
     pub lock_wait: Duration,
     /// Runs of one object interrupted by agent restarts before it is failed.
     #[arg(long, env = "MAX_ATTEMPTS", default_value_t = 3)]
@@ -184,8 +184,9 @@ pub struct RunArgs {
     pub api_auth: ApiAuth,
     #[arg(long, env = "LOG_FORMAT", value_enum, default_value_t = LogFormat::Json)]
     pub log_format: LogFormat,
-    /// kubeconfig file; otherwise the in-cluster configuration.
-    #[arg(long, env = "KUBECONFIG")]
+    /// kubeconfig file. Without it, as kubectl: the files in `KUBECONFIG` (an empty value is
+    /// unset), then `~/.kube/config`, then the in-cluster configuration (a DaemonSet's pod).
+    #[arg(long)]
     pub kubeconfig: Option<PathBuf>,
 }
 
@@ -196,7 +197,7 @@ pub struct OptionalDuration(pub Option<Duration>);
 /// A period something is done at: more than zero (a zero period is no period; the timers
 /// behind it cannot run at it).
 fn parse_interval(s: &str) -> Result<Duration, String> {
-    let d = humantime::parse_duration(s).map_err(|e| e.to_string())?;
+    let d = parse_duration(s)?;
     if d.is_zero() {
         return Err("must be more than zero (e.g. 1s, 500ms)".into());
     }
@@ -207,8 +208,16 @@ fn parse_optional_duration(s: &str) -> Result<OptionalDuration, String> {
     if s.trim() == "0" {
         return Ok(OptionalDuration(None));
     }
-    let d = humantime::parse_duration(s).map_err(|e| e.to_string())?;
+    let d = parse_duration(s)?;
     Ok(OptionalDuration((!d.is_zero()).then_some(d)))
+}
+
+/// A duration as humantime reads it, with an error that says what one looks like (humantime's
+/// own, `expected number at 0`, does not).
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    humantime::parse_duration(s.trim()).map_err(|e| {
+        format!("{e}: a duration is a number with a unit, e.g. 10s, 500ms, 2m or 1h30m")
+    })
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -237,14 +246,11 @@ pub struct CommonArgs {
     #[arg(long, default_value = "1s", value_parser = parse_interval)]
     pub update_interval: Duration,
     /// Time between SIGINT and SIGKILL when stopping the uploader.
-    #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
+    #[arg(long, default_value = "10s", value_parser = parse_duration)]
     pub cancel_grace: Duration,
     /// How long to wait for a repository lock held by someone else.
-    #[arg(long, default_value = "1m", value_parser = humantime::parse_duration)]
+    #[arg(long, default_value = "1m", value_parser = parse_duration)]
     pub lock_wait: Duration,
-    /// Fail instead of initialising a repository that does not exist.
-    #[arg(long)]
-    pub no_init: bool,
     /// PEM file with the CA certificate(s) of the object store (restic `--cacert`), for S3
     /// servers behind a private CA. Cloud credentials come from the usual environment variables
     /// (`AWS_ACCESS_KEY_ID`/`AWS_SECRET_ACCESS_KEY`, `AWS_SHARED_CREDENTIALS_FILE`/`AWS_PROFILE`,
@@ -284,6 +290,10 @@ pub struct BackupArgs {
     /// Upload limit in KiB/s (restic `--limit-upload`).
     #[arg(long)]
     pub limit_upload: Option<u64>,
+    /// Fail instead of creating a repository that does not exist (a backup that creates one
+    /// says so).
+    #[arg(long)]
+    pub no_init: bool,
     /// The directory to back up.
     pub path: PathBuf,
 }

@@ -382,7 +382,12 @@ impl Engine {
                     }
                     backoff = (backoff * 2).min(Duration::from_secs(30));
                 }
-                _ => return outcome,
+                _ => {
+                    return Outcome {
+                        repository_created: initialised,
+                        ..outcome
+                    };
+                }
             }
         }
     }
@@ -553,28 +558,32 @@ impl Engine {
     }
 
     /// Connects kopia to the repository (its config lives in the private cache), creating the
-    /// repository when it is missing and that is allowed.
+    /// repository when it is missing and that is allowed. `Ok(true)`: it was created.
     async fn kopia_connect(
         &self,
         access: &RepositoryAccess,
         tracking: &Shared,
         cancel: &CancellationToken,
-    ) -> Option<Outcome> {
+    ) -> Result<bool, Outcome> {
         let connected = self
             .kopia_repository_command(kopia::connect(access), tracking, cancel)
             .await;
         match connected.kind {
-            OutcomeKind::Success => None,
+            OutcomeKind::Success => Ok(false),
             // After a cancel request nothing new is started: the outcome is kopia's own.
-            _ if cancel.is_cancelled() => Some(connected),
+            _ if cancel.is_cancelled() => Err(connected),
             OutcomeKind::RepositoryMissing if self.cfg.init_missing_repository => {
                 tracing::info!("kopia repository does not exist: creating it");
                 let created = self
                     .kopia_repository_command(kopia::create(access), tracking, cancel)
                     .await;
-                (!created.kind.is_success()).then_some(created)
+                if created.kind.is_success() {
+                    Ok(true)
+                } else {
+                    Err(created)
+                }
             }
-            _ => Some(connected),
+            _ => Err(connected),
         }
     }
 
@@ -587,9 +596,10 @@ impl Engine {
             };
         }
         let tracking = self.tracking(Direction::Backup, sink);
-        if let Some(failed) = self.kopia_connect(&req.access, &tracking, cancel).await {
-            return failed;
-        }
+        let created = match self.kopia_connect(&req.access, &tracking, cancel).await {
+            Ok(created) => created,
+            Err(failed) => return failed,
+        };
         if cancel.is_cancelled() {
             return Outcome::canceled("canceled before the uploader started");
         }
@@ -611,14 +621,19 @@ impl Engine {
                 return failed;
             }
         }
-        self.kopia_run(
-            kopia::snapshot_create(&req.access, &req.source, &req.options.tags, options),
-            Some(&req.source),
-            Direction::Backup,
-            &tracking,
-            cancel,
-        )
-        .await
+        let outcome = self
+            .kopia_run(
+                kopia::snapshot_create(&req.access, &req.source, &req.options.tags, options),
+                Some(&req.source),
+                Direction::Backup,
+                &tracking,
+                cancel,
+            )
+            .await;
+        Outcome {
+            repository_created: created,
+            ..outcome
+        }
     }
 
     async fn kopia_restore(&self, req: &RestoreRequest, sink: &OperationSink) -> Outcome {

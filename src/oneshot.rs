@@ -21,13 +21,13 @@ pub const EXIT_CANCELED: i32 = 130;
 /// Exit code of a partial backup, as restic's.
 pub const EXIT_PARTIAL: i32 = 3;
 
-fn engine(common: &CommonArgs) -> Arc<Engine> {
+fn engine(common: &CommonArgs, init_missing_repository: bool) -> Arc<Engine> {
     Engine::new(EngineConfig {
         restic_binary: common.restic_binary.clone(),
         kopia_binary: common.kopia_binary.clone(),
         update_interval: common.update_interval,
         cancel_grace: common.cancel_grace,
-        init_missing_repository: !common.no_init,
+        init_missing_repository,
         lock_wait: common.lock_wait,
         ..EngineConfig::default()
     })
@@ -114,6 +114,17 @@ pub async fn backup(args: BackupArgs) -> i32 {
         Ok(a) => a,
         Err(e) => return usage_error(&e),
     };
+    // A source that is not there is the caller's mistake (exit 2), said before any uploader runs.
+    match std::fs::metadata(&args.path) {
+        Ok(m) if m.is_dir() => {}
+        Ok(_) => {
+            return usage_error(&format!(
+                "backup source {} is not a directory",
+                args.path.display()
+            ));
+        }
+        Err(e) => return usage_error(&format!("backup source {}: {e}", args.path.display())),
+    }
     let source = std::path::absolute(&args.path).unwrap_or(args.path.clone());
     let req = BackupRequest {
         uploader: args.common.uploader,
@@ -129,8 +140,8 @@ pub async fn backup(args: BackupArgs) -> i32 {
             kopia: Default::default(),
         },
     };
-    let op = engine(&args.common).backup(req);
-    drive(op, &args.common).await
+    let op = engine(&args.common, !args.no_init).backup(req);
+    drive(op, &args.common).await.0
 }
 
 pub async fn restore(args: RestoreArgs) -> i32 {
@@ -138,9 +149,23 @@ pub async fn restore(args: RestoreArgs) -> i32 {
         Ok(a) => a,
         Err(e) => return usage_error(&e),
     };
-    if let Err(e) = std::fs::create_dir_all(&args.target) {
-        return usage_error(&format!("restore target {}: {e}", args.target.display()));
-    }
+    // The same rule as for a backup's source: a target that exists must be a directory.
+    let created = match std::fs::metadata(&args.target) {
+        Ok(m) if m.is_dir() => None,
+        Ok(_) => {
+            return usage_error(&format!(
+                "restore target {} is not a directory",
+                args.target.display()
+            ));
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            if let Err(e) = std::fs::create_dir_all(&args.target) {
+                return usage_error(&format!("restore target {}: {e}", args.target.display()));
+            }
+            Some(args.target.clone())
+        }
+        Err(e) => return usage_error(&format!("restore target {}: {e}", args.target.display())),
+    };
     let target = std::path::absolute(&args.target).unwrap_or(args.target.clone());
     let req = RestoreRequest {
         uploader: args.common.uploader,
@@ -150,8 +175,26 @@ pub async fn restore(args: RestoreArgs) -> i32 {
         limit_download_kib: args.limit_download,
         kopia: Default::default(),
     };
-    let op = engine(&args.common).restore(req);
-    drive(op, &args.common).await
+    // A restore never creates a repository.
+    let op = engine(&args.common, false).restore(req);
+    let (code, outcome) = drive(op, &args.common).await;
+    // A restore that failed or was stopped leaves no directory it created behind (what it wrote
+    // there is no result); a partial one keeps what it restored.
+    if let (Some(dir), Some(o)) = (created, outcome)
+        && !matches!(o.kind, OutcomeKind::Success | OutcomeKind::Partial)
+    {
+        match std::fs::remove_dir_all(&dir) {
+            Ok(()) => eprintln!(
+                "removed the restore target {}, which this restore had created",
+                dir.display()
+            ),
+            Err(e) => eprintln!(
+                "warning: could not remove the restore target {} this restore had created: {e}",
+                dir.display()
+            ),
+        }
+    }
+    code
 }
 
 fn usage_error(msg: &str) -> i32 {
@@ -159,14 +202,15 @@ fn usage_error(msg: &str) -> i32 {
     2
 }
 
-/// Shows progress until the operation ends; a signal cancels it.
-async fn drive(op: Operation, common: &CommonArgs) -> i32 {
+/// Shows progress until the operation ends; a signal cancels it. Returns the exit code and, once
+/// the operation ran, its outcome.
+async fn drive(op: Operation, common: &CommonArgs) -> (i32, Option<Arc<Outcome>>) {
     let (mut sigint, mut sigterm) = match (
         signal(SignalKind::interrupt()),
         signal(SignalKind::terminate()),
     ) {
         (Ok(i), Ok(t)) => (i, t),
-        _ => return usage_error("cannot install signal handlers"),
+        _ => return (usage_error("cannot install signal handlers"), None),
     };
     let mut view = ProgressView::new(common.json);
     let mut tick = tokio::time::interval(common.update_interval);
@@ -181,17 +225,18 @@ async fn drive(op: Operation, common: &CommonArgs) -> i32 {
         }
     };
     let last = op.progress();
-    view.finish(&last);
+    view.finish(&last, &outcome);
     if !common.json {
         report(&outcome);
     }
-    match outcome.kind {
+    let code = match outcome.kind {
         _ if signalled && outcome.kind == OutcomeKind::Canceled => EXIT_CANCELED,
         OutcomeKind::Success => 0,
         OutcomeKind::Partial => EXIT_PARTIAL,
         OutcomeKind::Canceled | OutcomeKind::Interrupted => EXIT_CANCELED,
         _ => 1,
-    }
+    };
+    (code, Some(outcome))
 }
 
 async fn stop(op: &Operation, view: &mut ProgressView) -> Arc<Outcome> {
@@ -200,6 +245,9 @@ async fn stop(op: &Operation, view: &mut ProgressView) -> Arc<Outcome> {
 }
 
 fn report(outcome: &Outcome) {
+    if outcome.repository_created {
+        eprintln!("note: the repository did not exist; this backup created a new, empty one");
+    }
     match outcome.kind {
         OutcomeKind::Success => {
             eprintln!("{}", outcome.message);
@@ -274,9 +322,9 @@ impl ProgressView {
         }
     }
 
-    fn finish(&mut self, p: &OperationProgress) {
+    fn finish(&mut self, p: &OperationProgress, outcome: &Outcome) {
         match self {
-            ProgressView::Json { .. } => print_json(p),
+            ProgressView::Json { .. } => print_final_json(p, outcome),
             ProgressView::Bar(bar) => {
                 bar.set_length(p.n_total);
                 bar.set_position(p.n_completed);
@@ -305,6 +353,42 @@ fn known_total_style() -> ProgressStyle {
 fn unknown_total_style() -> ProgressStyle {
     ProgressStyle::with_template("{spinner:.green} [{elapsed_precise}] {bytes} so far\n  {msg}")
         .unwrap_or_else(|_| ProgressStyle::default_spinner())
+}
+
+/// The last `--json` line: the final progress with the result in fields of their own.
+#[derive(serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+struct FinalLine<'a> {
+    #[serde(flatten)]
+    progress: &'a OperationProgress,
+    /// success, partial, failed or canceled: what the exit code says (0, 3, 1, 130).
+    result: &'static str,
+    /// The snapshot written (restic's ID, kopia's manifest ID), also for a partial backup.
+    #[serde(rename = "snapshotID", skip_serializing_if = "Option::is_none")]
+    snapshot_id: Option<&'a str>,
+    message: &'a str,
+    /// The repository did not exist and the backup created it.
+    repository_created: bool,
+}
+
+fn print_final_json(p: &OperationProgress, outcome: &Outcome) {
+    let line = FinalLine {
+        progress: p,
+        result: match outcome.kind {
+            OutcomeKind::Success => "success",
+            OutcomeKind::Partial => "partial",
+            OutcomeKind::Canceled | OutcomeKind::Interrupted => "canceled",
+            _ => "failed",
+        },
+        snapshot_id: outcome.snapshot_id.as_deref(),
+        message: &outcome.message,
+        repository_created: outcome.repository_created,
+    };
+    let mut out = std::io::stdout().lock();
+    if let Ok(s) = serde_json::to_string(&line) {
+        let _ = writeln!(out, "{s}");
+        let _ = out.flush();
+    }
 }
 
 fn print_json(p: &OperationProgress) {

@@ -214,14 +214,18 @@ fn clear_errors_for_bad_input() {
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("/nonexistent/pw"));
-    // A source that does not exist.
+    // A source that does not exist: the caller's mistake, said before anything runs.
     let out = agent(&bed, &["backup", "--json"])
         .arg(bed.path().join("nope"))
         .output()
         .unwrap();
-    assert_eq!(out.status.code(), Some(1));
-    let last = parse_lines(&out.stdout).pop().unwrap();
-    assert!(last.completed && last.err.contains("nope"), "{last:?}");
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("backup source") && err.contains("nope") && err.contains("No such file"),
+        "{err}"
+    );
+    assert!(out.stdout.is_empty(), "nothing ran, nothing to report");
     // --no-init on a missing repository.
     write_random(&bed.source.join("x"), 10, 1);
     let out = agent(&bed, &["backup", "--no-init"])
@@ -239,6 +243,149 @@ fn clear_errors_for_bad_input() {
     );
     // The password never appears in anything the agent prints.
     assert!(!err.contains("correct horse"));
+}
+
+/// One rule for exit codes: usage and local input errors 2, failures of the transfer 1, partial 3,
+/// stopped 130; the same mistake is said in the same words for backup and restore.
+#[test]
+fn exit_codes_follow_one_rule() {
+    let bed = Bed::new();
+    write_random(&bed.source.join("x"), 1000, 1);
+    let file = bed.path().join("a-file");
+    std::fs::write(&file, "x").unwrap();
+    let stderr = |o: &std::process::Output| String::from_utf8_lossy(&o.stderr).to_string();
+
+    let out = agent(&bed, &["backup"]).arg(&file).output().unwrap();
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(stderr(&out).contains("backup source") && stderr(&out).contains("is not a directory"));
+
+    let out = agent(&bed, &["restore"])
+        .arg("--target")
+        .arg(&file)
+        .arg("latest")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("restore target") && stderr(&out).contains("is not a directory"),
+        "{}",
+        stderr(&out)
+    );
+
+    let out = agent(&bed, &["backup", "--update-interval", "abc"])
+        .arg(&bed.source)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        stderr(&out).contains("a duration is a number with a unit, e.g. 10s"),
+        "{}",
+        stderr(&out)
+    );
+
+    // An option that does nothing for a command is not offered by it.
+    let out = agent(&bed, &["restore", "--no-init"])
+        .arg("--target")
+        .arg(bed.path().join("t"))
+        .arg("latest")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(stderr(&out).contains("--no-init"), "{}", stderr(&out));
+
+    // A failure of the transfer: 1, and the target directory the restore created is gone.
+    let out = agent(&bed, &["backup"]).arg(&bed.source).output().unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let target = bed.path().join("new-target");
+    let out = agent(&bed, &["restore"])
+        .arg("--target")
+        .arg(&target)
+        .arg("deadbeef")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(
+        !target.exists(),
+        "a failed restore left {}",
+        target.display()
+    );
+    assert!(
+        stderr(&out).contains("removed the restore target"),
+        "{}",
+        stderr(&out)
+    );
+    // A target that was there before is left as it was.
+    let kept = bed.path().join("kept-target");
+    std::fs::create_dir(&kept).unwrap();
+    let out = agent(&bed, &["restore"])
+        .arg("--target")
+        .arg(&kept)
+        .arg("deadbeef")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(kept.is_dir());
+}
+
+/// The last `--json` line carries the result in fields of its own: the snapshot ID (not only
+/// inside `description`), the result, and whether the backup created the repository (a mistyped
+/// `--repo` silently made a new one).
+#[test]
+fn json_final_line_names_the_snapshot_and_a_created_repository() {
+    let bed = Bed::new();
+    write_random(&bed.source.join("a.bin"), 200_000, 3);
+    let final_line = |out: &std::process::Output| -> serde_json::Value {
+        let text = String::from_utf8_lossy(&out.stdout).to_string();
+        serde_json::from_str(text.lines().last().unwrap()).unwrap()
+    };
+    let out = agent(&bed, &["backup", "--json"])
+        .arg(&bed.source)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0));
+    let first = final_line(&out);
+    assert_eq!(first["result"], "success", "{first}");
+    assert_eq!(first["repositoryCreated"], true, "{first}");
+    let id = first["snapshotID"].as_str().unwrap().to_string();
+    let listed = bed.restic(&["snapshots", "--json"]);
+    let listed: serde_json::Value = serde_json::from_slice(&listed.stdout).unwrap();
+    // restic 0.14's summary names the snapshot by its short ID, later ones by the full one.
+    assert!(
+        !id.is_empty() && listed[0]["id"].as_str().unwrap().starts_with(&id),
+        "{id} vs {listed}"
+    );
+
+    // Without --json the creation is said on stderr; a second backup creates nothing.
+    let out = agent(&bed, &["backup"]).arg(&bed.source).output().unwrap();
+    assert_eq!(out.status.code(), Some(0));
+    assert!(!String::from_utf8_lossy(&out.stderr).contains("created a new"));
+    let out = agent(&bed, &["backup", "--json"])
+        .arg(&bed.source)
+        .output()
+        .unwrap();
+    let third = final_line(&out);
+    assert_eq!(third["repositoryCreated"], false, "{third}");
+    assert_ne!(third["snapshotID"], first["snapshotID"]);
+
+    let fresh = bed.path().join("typo-repo");
+    let out = Command::new(agent_bin())
+        .args(["backup", "--password-file"])
+        .arg(&bed.password_file)
+        .arg("--cache-dir")
+        .arg(&bed.cache)
+        .arg("--repo")
+        .arg(&fresh)
+        .arg(&bed.source)
+        .env("RESTIC_BINARY", restic_bin())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0));
+    assert!(
+        String::from_utf8_lossy(&out.stderr)
+            .contains("the repository did not exist; this backup created a new, empty one"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 /// A user running the CLI from a work directory with relative paths: restic runs inside the

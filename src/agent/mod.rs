@@ -322,7 +322,12 @@ async fn client(args: &RunArgs) -> Result<Client, String> {
                 .await
                 .map_err(|e| format!("kubeconfig {}: {e}", path.display()))?
         }
-        None => kube::Config::incluster().map_err(|e| format!("in-cluster configuration: {e}"))?,
+        // As kubectl: KUBECONFIG's files, then ~/.kube/config, then the pod's own ServiceAccount.
+        None => kube::Config::infer().await.map_err(|e| {
+            format!(
+                "no Kubernetes configuration: give --kubeconfig, set KUBECONFIG, or run in a pod ({e})"
+            )
+        })?,
     };
     // kube sets no read timeout: a request whose connection goes silent (a partition that
     // drops packets, an API server that accepts and stalls) would wait forever, and with it the

@@ -998,6 +998,7 @@ pub fn classify(exit: ExitInfo, facts: &RunFacts, stopped: bool, direction: Dire
         failed_items,
         first_failed_items: facts.first_failed_items.clone(),
         truncated_frames: facts.truncated_frames,
+        repository_created: false,
     }
 }
 

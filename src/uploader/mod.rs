@@ -184,6 +184,10 @@ pub struct Outcome {
     /// Output records over the framing cap that were skipped.
     #[serde(skip)]
     pub truncated_frames: u64,
+    /// The repository did not exist and this operation created it (allowed by
+    /// `init_missing_repository`): a mistyped repository becomes a new, empty one, which the
+    /// caller must be told.
+    pub repository_created: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -301,6 +305,7 @@ impl Outcome {
             failed_items: 0,
             first_failed_items: Vec::new(),
             truncated_frames: 0,
+            repository_created: false,
         }
     }
 

@@ -612,6 +612,7 @@ pub fn classify(exit: ExitInfo, facts: &RunFacts, stopped: bool, mode: Direction
                 failed_items: 0,
                 first_failed_items: Vec::new(),
                 truncated_frames: facts.truncated_frames,
+                repository_created: false,
             };
         }
         // 0.17/0.18 sometimes end an interrupted run with exit 1 and "context canceled".
@@ -651,6 +652,7 @@ pub fn classify(exit: ExitInfo, facts: &RunFacts, stopped: bool, mode: Direction
         failed_items: facts.failed_items,
         first_failed_items: facts.first_failed_items.clone(),
         truncated_frames: facts.truncated_frames,
+        repository_created: false,
     }
 }
 

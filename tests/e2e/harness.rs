@@ -20,6 +20,8 @@ use podvolume_agent::crd::{Phase, PodVolumeBackup, PodVolumeRestore};
 use podvolume_testbed::TestApiServer;
 use serde_json::json;
 
+#[path = "identity.rs"]
+pub mod identity;
 #[path = "../common/restic_under_test.rs"]
 mod restic_under_test;
 pub use restic_under_test::*;
@@ -64,6 +66,17 @@ impl Flavour {
     pub fn all_phases(self) -> bool {
         self != Flavour::Velero116
     }
+}
+
+/// How a test tells the agent where its kubeconfig is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KubeconfigVia {
+    /// `--kubeconfig <file>`.
+    Flag,
+    /// `KUBECONFIG=<file>` and no flag.
+    Env,
+    /// `~/.kube/config`, with `KUBECONFIG` set but empty (which counts as unset).
+    HomeWithEmptyEnv,
 }
 
 /// A Velero Restore (see [`Env::create_restore`]).
@@ -330,7 +343,7 @@ impl Env {
             Backend::StandIn(_) => kubeconfig.clone(),
             Backend::Real(_) => {
                 ensure_nodes(&client).await;
-                crate::identity::node_agent_kubeconfig(&client, &kubeconfig, &ns, tmp.path()).await
+                identity::node_agent_kubeconfig(&client, &kubeconfig, &ns, tmp.path()).await
             }
         };
         let pods_dir = tmp.path().join("pods");
@@ -603,6 +616,16 @@ impl Env {
 
     /// Starts the agent binary for `node` with the test's directories; `extra` flags override.
     pub fn start_agent(&self, node: &str, extra: &[&str]) -> Agent {
+        self.start_agent_finding_kubeconfig(node, extra, KubeconfigVia::Flag)
+    }
+
+    /// As [`Env::start_agent`], telling the agent its kubeconfig as `via` says.
+    pub fn start_agent_finding_kubeconfig(
+        &self,
+        node: &str,
+        extra: &[&str],
+        via: KubeconfigVia,
+    ) -> Agent {
         let port = TcpListener::bind("127.0.0.1:0")
             .unwrap()
             .local_addr()
@@ -610,9 +633,23 @@ impl Env {
             .port();
         let log = self.tmp.path().join(format!("agent-{node}-{port}.log"));
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_podvolume-agent"));
-        cmd.arg("run")
-            .arg(format!("--kubeconfig={}", self.agent_kubeconfig.display()))
-            .arg(format!("--node-name={node}"))
+        cmd.arg("run");
+        match via {
+            KubeconfigVia::Flag => {
+                cmd.arg(format!("--kubeconfig={}", self.agent_kubeconfig.display()))
+                    .env_remove("KUBECONFIG");
+            }
+            KubeconfigVia::Env => {
+                cmd.env("KUBECONFIG", &self.agent_kubeconfig);
+            }
+            KubeconfigVia::HomeWithEmptyEnv => {
+                let home = self.tmp.path().join(format!("home-{node}"));
+                std::fs::create_dir_all(home.join(".kube")).unwrap();
+                std::fs::copy(&self.agent_kubeconfig, home.join(".kube/config")).unwrap();
+                cmd.env("HOME", &home).env("KUBECONFIG", "");
+            }
+        }
+        cmd.arg(format!("--node-name={node}"))
             .arg(format!("--namespace={}", self.ns))
             .arg(format!("--host-pods-dir={}", self.pods_dir.display()))
             .arg(format!(

@@ -5,7 +5,6 @@
 //! the stand-in and say so when skipped.
 
 mod harness;
-mod identity;
 mod kopia;
 #[path = "../s3/mod.rs"]
 mod s3;
@@ -189,6 +188,22 @@ async fn backup_with_progress_velero_116_crds() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn backup_with_progress_status_subresource() {
     backup_with_progress(Env::new(Flavour::Ours).await).await;
+}
+
+/// Outside a cluster `run` finds its kubeconfig as kubectl does: the file in `KUBECONFIG`, else
+/// `~/.kube/config`, an empty `KUBECONFIG` counting as unset (it used to fail with "a value is
+/// required for '--kubeconfig'", and without `KUBECONFIG` it tried only the in-cluster
+/// configuration).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn run_finds_its_kubeconfig_as_kubectl_does() {
+    let env = Env::new(Flavour::Velero).await;
+    for via in [KubeconfigVia::Env, KubeconfigVia::HomeWithEmptyEnv] {
+        let mut agent = env.start_agent_finding_kubeconfig(NODE, &[], via);
+        agent.wait_ready(LONG).await;
+        agent.signal(Signal::SIGTERM);
+        agent.wait(Duration::from_secs(20));
+    }
+    env.cleanup().await;
 }
 
 /// A real cluster keeps the CRDs it has, whatever a test asks for: the harness finds the served
