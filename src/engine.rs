@@ -115,8 +115,20 @@ impl Tracking {
             }
             _ => false,
         };
+        // The first few item errors are warnings; the rest go to debug (a read-only target made
+        // one warning per file): the outcome's message counts them and names the cause.
         if let UploaderEvent::ItemError { item, message } = &event {
-            tracing::warn!(item = %item, error = %message, "uploader could not process an item");
+            let seen = self.facts.failed_items as usize;
+            if seen < crate::facts::NAMED_FAILED_ITEMS {
+                tracing::warn!(item = %item, error = %message, "uploader could not process an item");
+            } else {
+                if seen == crate::facts::NAMED_FAILED_ITEMS {
+                    tracing::warn!(
+                        "more items could not be processed: counted in the result, each logged at debug level"
+                    );
+                }
+                tracing::debug!(item = %item, error = %message, "uploader could not process an item");
+            }
         }
         self.facts.observe(stream, &event);
         if changed {

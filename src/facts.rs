@@ -5,8 +5,12 @@ use std::collections::VecDeque;
 use crate::text::truncate;
 use crate::uploader::{FailedItem, RunSummary, Stream, UploaderEvent};
 
-/// How many unreadable items are named; the rest are counted.
+/// How many unreadable items are kept (with their errors); the rest are counted.
 pub const FIRST_FAILED_ITEMS: usize = 10;
+/// How many of them a message names: enough to recognise the problem, short enough to read.
+pub const NAMED_FAILED_ITEMS: usize = 3;
+/// How many distinct causes of item errors are counted; later new causes count as "other".
+const ITEM_CAUSES: usize = 16;
 /// Lines of stderr kept for diagnostics, and the longest line kept.
 pub const STDERR_TAIL_LINES: usize = 40;
 pub const STDERR_TAIL_LINE_BYTES: usize = 512;
@@ -34,7 +38,30 @@ pub struct RunFacts {
     pub interrupt_seen: bool,
     pub truncated_frames: u64,
     pub malformed_records: u64,
+    /// Item errors by cause (the last `: `-separated part of the uploader's message, e.g.
+    /// `permission denied`), at most [`ITEM_CAUSES`] causes: a flood of errors is summarised by
+    /// what dominates it.
+    pub item_causes: Vec<(String, u64)>,
+    /// Hashes of the distinct items that had errors (restic reports one file several times:
+    /// its creation, then its metadata), up to [`DISTINCT_ITEMS`]; `None` past that.
+    distinct_items: Option<std::collections::HashSet<u64>>,
+    distinct_items_overflowed: bool,
     in_fatal_block: bool,
+}
+
+/// How many distinct failed items are told apart (8 bytes each); past it, errors are counted.
+const DISTINCT_ITEMS: usize = 100_000;
+
+/// What an item error says when the uploader gave no reason (restic 0.14's `"error":{}`).
+pub const UNKNOWN_ITEM_ERROR: &str = "could not be read";
+
+/// The cause in an item error: `open /v/a: permission denied` -> `permission denied`; empty when
+/// the uploader gave none.
+pub fn item_cause(message: &str) -> &str {
+    if message == UNKNOWN_ITEM_ERROR {
+        return "";
+    }
+    message.rsplit(": ").next().unwrap_or(message).trim()
 }
 
 impl RunFacts {
@@ -67,6 +94,16 @@ impl RunFacts {
             }
             UploaderEvent::ItemError { item, message } => {
                 self.failed_items += 1;
+                self.note_distinct_item(item);
+                let cause = truncate(item_cause(message), 128);
+                if cause.is_empty() {
+                    // No reason given: counted in failed_items only.
+                } else if let Some((_, n)) = self.item_causes.iter_mut().find(|(c, _)| *c == cause)
+                {
+                    *n += 1;
+                } else if self.item_causes.len() < ITEM_CAUSES {
+                    self.item_causes.push((cause, 1));
+                }
                 if self.first_failed_items.len() < FIRST_FAILED_ITEMS {
                     self.first_failed_items.push(FailedItem {
                         item: truncate(item, 512),
@@ -99,6 +136,74 @@ impl RunFacts {
             .push_back(truncate(&line, STDERR_TAIL_LINE_BYTES));
     }
 
+    fn note_distinct_item(&mut self, item: &str) {
+        use std::hash::{BuildHasher, BuildHasherDefault, DefaultHasher};
+        if self.distinct_items_overflowed {
+            return;
+        }
+        let set = self
+            .distinct_items
+            .get_or_insert_with(std::collections::HashSet::new);
+        if set.len() >= DISTINCT_ITEMS {
+            // Told apart no longer: the count of errors stands for the count of items.
+            self.distinct_items = None;
+            self.distinct_items_overflowed = true;
+            return;
+        }
+        set.insert(BuildHasherDefault::<DefaultHasher>::default().hash_one(item));
+    }
+
+    /// How many items had errors: distinct items while they can be told apart, else errors.
+    pub fn failed_item_count(&self) -> u64 {
+        match &self.distinct_items {
+            Some(set) => set.len() as u64,
+            None => self.failed_items,
+        }
+    }
+
+    /// `<N> item(s) <verb>: <cause> (first: a, b, c and K more)`: the count, the cause that
+    /// dominates (with how many it covers when not all), and the first items, each with its own
+    /// cause where that differs. `failed` may exceed the items seen (kopia counts some it does
+    /// not name).
+    pub fn items_summary(&self, failed: u64, verb: &str) -> String {
+        let mut msg = format!("{failed} item{} {verb}", if failed == 1 { "" } else { "s" });
+        // The most frequent cause; on a tie the first seen (the first failure of an item, not
+        // what followed from it).
+        let dominant = self.item_causes.iter().rev().max_by_key(|(_, n)| *n);
+        if let Some((cause, n)) = dominant
+            && !cause.is_empty()
+        {
+            msg.push_str(": ");
+            msg.push_str(cause);
+            if *n < failed {
+                msg.push_str(&format!(" ({n} of them)"));
+            }
+        }
+        let named: Vec<String> = self
+            .first_failed_items
+            .iter()
+            .take(NAMED_FAILED_ITEMS)
+            .map(|i| {
+                let cause = item_cause(&i.message);
+                if cause.is_empty() || dominant.is_some_and(|(d, _)| d == cause) {
+                    i.item.clone()
+                } else {
+                    format!("{} ({cause})", i.item)
+                }
+            })
+            .collect();
+        if !named.is_empty() {
+            msg.push_str(" (first: ");
+            msg.push_str(&named.join(", "));
+            let more = failed.saturating_sub(named.len() as u64);
+            if more > 0 {
+                msg.push_str(&format!(" and {more} more"));
+            }
+            msg.push(')');
+        }
+        msg
+    }
+
     /// Everything that explains a failure, for matching known causes.
     pub fn error_text(&self) -> String {
         let mut s = self.fatal.join("\n");
@@ -129,6 +234,53 @@ impl RunFacts {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn item(f: &mut RunFacts, path: &str, message: &str) {
+        f.observe(
+            Stream::Stdout,
+            &UploaderEvent::ItemError {
+                item: path.into(),
+                message: message.into(),
+            },
+        );
+    }
+
+    #[test]
+    fn a_flood_of_item_errors_is_summarised_by_its_dominant_cause() {
+        let mut f = RunFacts::default();
+        for i in 0..44 {
+            item(
+                &mut f,
+                &format!("/t/f{i}"),
+                &format!("open /t/f{i}: read-only file system"),
+            );
+        }
+        assert_eq!(
+            f.items_summary(44, "not written"),
+            "44 items not written: read-only file system (first: /t/f0, /t/f1, /t/f2 and 41 more)"
+        );
+        // Another cause among them: named with its item, and the dominant one's share given.
+        item(&mut f, "/t/odd", "lstat /t/odd: permission denied");
+        let mut g = RunFacts::default();
+        item(&mut g, "/a", "open /a: permission denied");
+        item(&mut g, "/b", "open /b: input/output error");
+        item(&mut g, "/c", "open /c: permission denied");
+        assert_eq!(
+            g.items_summary(3, "could not be read"),
+            "3 items could not be read: permission denied (2 of them) (first: /a, /b (input/output error), /c)"
+        );
+        assert_eq!(f.item_causes.len(), 2);
+    }
+
+    #[test]
+    fn item_causes_are_bounded() {
+        let mut f = RunFacts::default();
+        for i in 0..1000 {
+            item(&mut f, "/x", &format!("open /x: cause {i}"));
+        }
+        assert_eq!(f.item_causes.len(), ITEM_CAUSES);
+        assert_eq!(f.failed_items, 1000);
+    }
 
     #[test]
     fn fatal_block_keeps_its_continuation_lines_only() {

@@ -327,6 +327,64 @@ fn exit_codes_follow_one_rule() {
     assert!(kept.is_dir());
 }
 
+/// A read-only file system under a test's directory, unmounted when dropped.
+struct ReadOnlyMount(std::path::PathBuf);
+
+impl ReadOnlyMount {
+    fn new(dir: &std::path::Path) -> Self {
+        std::fs::create_dir_all(dir).unwrap();
+        let out = Command::new("mount")
+            .args(["-t", "tmpfs", "-o", "ro,size=1m", "tmpfs"])
+            .arg(dir)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "this test mounts a read-only tmpfs (needs root): {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        ReadOnlyMount(dir.to_path_buf())
+    }
+}
+
+impl Drop for ReadOnlyMount {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(&self.0).status();
+    }
+}
+
+/// Item failures are summarised, not flooded: a restore into a read-only file system printed
+/// one warning per failed item (44 for 21 files) and then restic's bare `There were 44 errors`.
+/// Now: a few warnings, then the count, the cause that dominates and the first items.
+#[test]
+fn item_failures_are_summarised_not_flooded() {
+    let bed = Bed::new();
+    for i in 0..21 {
+        write_random(&bed.source.join(format!("f{i:02}.bin")), 1000 + i, i as u64);
+    }
+    let out = agent(&bed, &["backup"]).arg(&bed.source).output().unwrap();
+    assert_eq!(out.status.code(), Some(0));
+    let id = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    let target = bed.path().join("read-only");
+    let _mount = ReadOnlyMount::new(&target);
+    let out = agent(&bed, &["restore"])
+        .arg("--target")
+        .arg(&target)
+        .arg(&id)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    let warnings = err.matches("could not process an item").count();
+    assert!(warnings <= 3, "{warnings} item warnings:\n{err}");
+    assert!(
+        err.contains("items not written: read-only file system (first: ") && err.contains(" more)"),
+        "{err}"
+    );
+    assert!(!err.contains("There were"), "restic's bare count: {err}");
+    assert!(target.is_dir(), "a target that was there is left");
+}
+
 /// The last `--json` line carries the result in fields of its own: the snapshot ID (not only
 /// inside `description`), the result, and whether the backup created the repository (a mistyped
 /// `--repo` silently made a new one).

@@ -55,8 +55,8 @@ use std::path::{Path, PathBuf};
 use serde::Deserialize;
 
 use super::{
-    Direction, ExitInfo, FailedItem, Outcome, OutcomeKind, ProgressSample, RepositoryAccess,
-    RunSummary, RunSummaryView, UploaderEvent,
+    Direction, ExitInfo, Outcome, OutcomeKind, ProgressSample, RepositoryAccess, RunSummary,
+    RunSummaryView, UploaderEvent,
 };
 use crate::error::Error;
 use crate::facts::RunFacts;
@@ -1066,30 +1066,9 @@ pub fn partial_message(snapshot_id: Option<&str>, failed: u64, facts: &RunFacts)
     format!("{saved}, but {}", unreadable_items(failed, facts))
 }
 
-/// `<N> item(s) could not be read[: <the first ones, with their errors>[ and <M> more]]`.
+/// `<N> item(s) could not be read: <cause> (first: a, b and M more)`.
 fn unreadable_items(failed: u64, facts: &RunFacts) -> String {
-    let listed: Vec<String> = facts.first_failed_items.iter().map(describe_item).collect();
-    let mut msg = format!(
-        "{failed} item{} could not be read",
-        if failed == 1 { "" } else { "s" }
-    );
-    if !listed.is_empty() {
-        msg.push_str(": ");
-        msg.push_str(&listed.join(", "));
-        let more = failed.saturating_sub(listed.len() as u64);
-        if more > 0 {
-            msg.push_str(&format!(" and {more} more"));
-        }
-    }
-    msg
-}
-
-fn describe_item(i: &FailedItem) -> String {
-    if i.message.is_empty() {
-        i.item.clone()
-    } else {
-        format!("{} ({})", i.item, i.message)
-    }
+    facts.items_summary(failed, "could not be read")
 }
 
 #[cfg(test)]
@@ -1799,7 +1778,7 @@ mod tests {
         assert_eq!(o.failed_items, 2);
         assert_eq!(
             o.message,
-            "snapshot k4 saved, but 2 items could not be read: a/b (permission denied) and 1 more"
+            "snapshot k4 saved, but 2 items could not be read: permission denied (1 of them) (first: a/b and 1 more)"
         );
         assert_eq!(o.first_failed_items.len(), 1);
     }

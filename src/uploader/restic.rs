@@ -13,8 +13,8 @@ use std::time::Duration;
 use serde::Deserialize;
 
 use super::{
-    Direction, ExitInfo, FailedItem, Outcome, OutcomeKind, ProgressSample, RepositoryAccess,
-    RunSummary, RunSummaryView, UploaderEvent,
+    Direction, ExitInfo, Outcome, OutcomeKind, ProgressSample, RepositoryAccess, RunSummary,
+    RunSummaryView, UploaderEvent,
 };
 use crate::error::Error;
 use crate::facts::RunFacts;
@@ -373,11 +373,11 @@ fn describe_error_value(v: &serde_json::Value) -> String {
                         .unwrap_or("unknown error");
                     format!("{op} {path}: {}", desc.to_lowercase())
                 }
-                _ if map.is_empty() => "could not be read".to_string(),
+                _ if map.is_empty() => crate::facts::UNKNOWN_ITEM_ERROR.to_string(),
                 _ => v.to_string(),
             }
         }
-        Value::Null => "could not be read".to_string(),
+        Value::Null => crate::facts::UNKNOWN_ITEM_ERROR.to_string(),
         other => other.to_string(),
     }
 }
@@ -641,6 +641,11 @@ pub fn classify(exit: ExitInfo, facts: &RunFacts, stopped: bool, mode: Direction
         {
             repository_message(&kind, &facts.fatal)
         }
+        // A restore whose items could not be written ends with restic's bare `There were N
+        // errors`: the count, the cause that dominates and the first items say what happened.
+        OutcomeKind::Failed if mode == Direction::Restore && facts.failed_items > 0 => {
+            facts.items_summary(facts.failed_item_count(), "not written")
+        }
         _ => facts.cause(&format!("restic failed with {exit}")),
     };
     Outcome {
@@ -691,7 +696,7 @@ fn repository_message(kind: &OutcomeKind, fatal: &[String]) -> String {
     }
 }
 
-/// "snapshot X saved, but 2 items could not be read: a (permission denied), b (...)".
+/// "snapshot X saved, but 2 items could not be read: permission denied (first: a, b)".
 pub fn partial_message(snapshot_id: Option<&str>, facts: &RunFacts) -> String {
     let saved = match snapshot_id {
         Some(id) => format!("snapshot {id} saved"),
@@ -701,25 +706,10 @@ pub fn partial_message(snapshot_id: Option<&str>, facts: &RunFacts) -> String {
     if n == 0 {
         return format!("{saved}, but some source data could not be read");
     }
-    let listed: Vec<String> = facts.first_failed_items.iter().map(describe_item).collect();
-    let more = n.saturating_sub(listed.len() as u64);
-    let mut msg = format!(
-        "{saved}, but {n} item{} could not be read: {}",
-        if n == 1 { "" } else { "s" },
-        listed.join(", ")
-    );
-    if more > 0 {
-        msg.push_str(&format!(" and {more} more"));
-    }
-    msg
-}
-
-fn describe_item(i: &FailedItem) -> String {
-    if i.message.is_empty() {
-        i.item.clone()
-    } else {
-        format!("{} ({})", i.item, i.message)
-    }
+    format!(
+        "{saved}, but {}",
+        facts.items_summary(n, "could not be read")
+    )
 }
 
 /// Paths in restic's messages are absolute inside the volume; shown relative to it they are
