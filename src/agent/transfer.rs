@@ -91,9 +91,8 @@ pub async fn monitor<K: VolumeObject>(
     let far = tokio::time::Instant::now() + Duration::from_secs(100 * 365 * 86_400);
     let mut last_written: Option<(u64, u64, String)> = None;
     // A newer value is written at the first moment the schedule allows (see WriteSchedule):
-    // never older than one interval, nothing while nothing changes, and never older than what
-    // Velero's ticker would have published on the same stream.
-    let mut schedule = WriteSchedule::new(Instant::now(), args.update_interval);
+    // never older than one interval, never two writes within one, nothing while nothing changes.
+    let mut schedule = WriteSchedule::new(args.update_interval);
     let mut updates = op.subscribe();
     let mut updates_open = true;
     let mut write_failures = FailureStreak::new(FAILURE_REMINDER);

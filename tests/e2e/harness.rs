@@ -716,17 +716,24 @@ impl Env {
         K: Resource + Clone + std::fmt::Debug + serde::de::DeserializeOwned + Send + Sync + 'static,
     {
         let seen = Arc::new(Mutex::new(Vec::new()));
+        let arrived = Arc::new(Mutex::new(Vec::new()));
         let cfg = watcher::Config::default().fields(&format!("metadata.name={name}"));
-        let s = seen.clone();
+        let (s, a) = (seen.clone(), arrived.clone());
         let task = tokio::spawn(async move {
             let mut stream = watcher::watcher(api, cfg).boxed();
             while let Some(ev) = stream.next().await {
                 if let Ok(watcher::Event::Apply(o) | watcher::Event::InitApply(o)) = ev {
-                    s.lock().unwrap().push(o);
+                    let mut s = s.lock().unwrap();
+                    s.push(o);
+                    a.lock().unwrap().push(Instant::now());
                 }
             }
         });
-        Recorder { seen, task }
+        Recorder {
+            seen,
+            arrived,
+            task,
+        }
     }
 
     /// Files under a volume, as a test fixture.
@@ -1088,12 +1095,21 @@ pub fn pseudo_random(n: usize, seed: u64) -> Vec<u8> {
 
 pub struct Recorder<K> {
     pub seen: Arc<Mutex<Vec<K>>>,
+    /// When each version arrived through the watch.
+    arrived: Arc<Mutex<Vec<Instant>>>,
     task: tokio::task::JoinHandle<()>,
 }
 
 impl<K: Clone> Recorder<K> {
     pub fn versions(&self) -> Vec<K> {
         self.seen.lock().unwrap().clone()
+    }
+
+    /// Each version with the moment the watch delivered it.
+    pub fn timed_versions(&self) -> Vec<(Instant, K)> {
+        let seen = self.seen.lock().unwrap().clone();
+        let arrived = self.arrived.lock().unwrap().clone();
+        arrived.into_iter().zip(seen).collect()
     }
 }
 

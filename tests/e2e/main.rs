@@ -257,6 +257,73 @@ async fn running_backup_at(
     (agent, pvb.metadata)
 }
 
+/// `--update-interval` bounds the writes to each object: at 1 s, two progress writes of one
+/// PodVolumeBackup are never less than an interval apart (on a real API server they came 0.19 s
+/// apart: the first value at once, then the first tick of the operation's clock). Measured from
+/// the watch's deliveries, so 0.9 s allows for their jitter; how fresh the published value stays
+/// is benchmark case 3.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn progress_writes_of_one_object_are_an_interval_apart() {
+    let env = Env::new(Flavour::Velero).await;
+    let (pod, dirs) = env.create_pod("spacing-pod", NODE, &["data"]).await;
+    // Long to read and nothing to upload: restic chunks every zero of a 64 GiB sparse file, so
+    // its byte count moves at every status line for as long as the test watches.
+    std::fs::File::create(dirs["data"].join("huge.img"))
+        .unwrap()
+        .set_len(64 << 30)
+        .unwrap();
+    let mut agent = env.start_agent(NODE, &["--update-interval=1s"]);
+    agent.wait_ready(LONG).await;
+    let rec = env.record(env.pvbs(), "pvb-spacing");
+    env.create_pvb("pvb-spacing", &pod, "data", NODE).await;
+    // Progress writes: versions that are InProgress before and after and whose status changed
+    // (bytes, total, or the message with its stage, rate and ETA).
+    let progress_writes = |rec: &Recorder<PodVolumeBackup>| {
+        let in_progress = |p: &PodVolumeBackup| {
+            p.status.as_ref().and_then(|s| s.phase) == Some(Phase::InProgress)
+        };
+        rec.timed_versions()
+            .windows(2)
+            .filter(|w| {
+                in_progress(&w[0].1) && in_progress(&w[1].1) && w[0].1.status != w[1].1.status
+            })
+            .map(|w| w[1].0)
+            .collect::<Vec<_>>()
+    };
+    let deadline = std::time::Instant::now() + LONG;
+    while progress_writes(&rec).len() < 8 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{} progress writes in {LONG:?}\n{}",
+            progress_writes(&rec).len(),
+            agent.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let writes = progress_writes(&rec);
+    env.cancel_pvb("pvb-spacing").await;
+    env.wait_pvb(
+        "pvb-spacing",
+        &[Phase::Completed, Phase::Failed, Phase::Canceled],
+        LONG,
+    )
+    .await;
+    let spacings: Vec<f64> = writes
+        .windows(2)
+        .map(|w| (w[1] - w[0]).as_secs_f64())
+        .collect();
+    let min = spacings.iter().cloned().fold(f64::MAX, f64::min);
+    eprintln!(
+        "{} progress writes at --update-interval 1s; smallest spacing {min:.3} s: {spacings:.3?}",
+        writes.len()
+    );
+    assert!(
+        min >= 0.9,
+        "progress writes {min:.3} s apart: {spacings:.3?}"
+    );
+    env.cleanup().await;
+}
+
 /// Velero 1.17+'s CRDs: Canceling shown, then Canceled. Velero <= 1.16's have neither: the
 /// backup ends Failed with a message that says it was canceled, as Velero's agent did then.
 async fn cancel_mid_backup(flavour: Flavour) {
