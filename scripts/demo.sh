@@ -8,9 +8,9 @@
 #   DEMO_KEEP=1 scripts/demo.sh                   # keep the temporary directory too
 #
 # Needs Rust 1.89 or newer (edition 2024, and kube 5 requires 1.89; `rustup update` if older).
-# Measured on 2 cores: the first run builds the release binary (about 12 minutes; cargo's
-# progress is shown), then the demo itself takes about 15 s for 300 MiB; a second run builds
-# nothing. Without DEMO_DIR the data (about twice DEMO_SIZE_MB, plus the repository) lives in a
+# Measured on 2 cores: the first run builds the release binary (about 12 minutes idle, 21 beside
+# other builds; cargo's progress is shown), then the demo itself takes about 9 s for 300 MiB; a
+# second run builds nothing. Without DEMO_DIR the data (about twice DEMO_SIZE_MB, plus the repository) lives in a
 # temporary directory that is removed at the end, also after a failure or Ctrl-C.
 set -euo pipefail
 cd "$(dirname "$0")/.."
