@@ -531,6 +531,11 @@ fn kopia_json_backup_prints_progress_and_the_manifest_id() {
         .strip_prefix("snapshot ")
         .and_then(|d| d.split_whitespace().next())
         .unwrap();
+    // The final line also carries it in a field of its own.
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    let final_line: serde_json::Value = serde_json::from_str(text.lines().last().unwrap()).unwrap();
+    assert_eq!(final_line["snapshotID"].as_str(), Some(id), "{final_line}");
+    assert_eq!(final_line["result"], "success", "{final_line}");
     assert!(
         id.len() == 32 && id.bytes().all(|b| b.is_ascii_hexdigit()),
         "{}",
