@@ -501,6 +501,7 @@ impl Engine {
                 total_files: 0,
                 bytes_added: 0,
                 files_unmodified: 0,
+                incremental_bytes: None,
             });
         }
         // A restore summary may be bare (`{"message_type":"summary"}`, every counter omitted):
@@ -728,6 +729,7 @@ impl Engine {
                 total_files: 0,
                 bytes_added: 0,
                 files_unmodified: 0,
+                incremental_bytes: None,
             },
         };
         outcome.summary = Some(summary);

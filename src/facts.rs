@@ -38,6 +38,8 @@ pub struct RunFacts {
     pub interrupt_seen: bool,
     pub truncated_frames: u64,
     pub malformed_records: u64,
+    /// The uploader's latest figure of bytes read (kopia's "hashed"): its last progress line.
+    pub last_bytes_read: Option<u64>,
     /// Item errors by cause (the last `: `-separated part of the uploader's message, e.g.
     /// `permission denied`), at most [`ITEM_CAUSES`] causes: a flood of errors is summarised by
     /// what dominates it.
@@ -119,9 +121,12 @@ impl RunFacts {
                 self.malformed_records += 1;
                 self.tail(m.clone());
             }
-            UploaderEvent::Progress(_)
-            | UploaderEvent::ScanFinished { .. }
-            | UploaderEvent::Ignored => {}
+            UploaderEvent::Progress(p) => {
+                if p.bytes_read.is_some() {
+                    self.last_bytes_read = p.bytes_read;
+                }
+            }
+            UploaderEvent::ScanFinished { .. } | UploaderEvent::Ignored => {}
         }
         if !continues_fatal {
             self.in_fatal_block = false;

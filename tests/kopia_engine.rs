@@ -773,6 +773,22 @@ async fn a_second_backup_of_the_same_source_is_incremental() {
     assert_eq!(two["stats"]["nonCachedFiles"], 1, "{two}");
     assert_eq!(two["stats"]["totalSize"], total, "{two}");
     assert_eq!(two["rootEntry"]["summ"]["size"], total, "{two}");
+
+    // Velero's incrementalBytes: everything the first time (exact: no file came from a parent),
+    // the new file the second time (kopia prints 12,345 bytes as "12.3 KB", read as its lower
+    // bound 12,250: at most 0.1 kB below),
+    // nothing for a third backup of the unchanged source (exact: no file read).
+    let incremental =
+        |o: &podvolume_agent::uploader::Outcome| o.summary.as_ref().unwrap().incremental_bytes;
+    assert_eq!(incremental(&first), Some(first_total), "{first:?}");
+    let second_incremental = incremental(&second).expect("an incremental figure");
+    assert!(
+        (12_245..=12_345).contains(&second_incremental),
+        "incrementalBytes {second_incremental} for a 12,345-byte new file"
+    );
+    let third = engine.backup(backup_req(&bed, bed.access())).wait().await;
+    assert_eq!(third.kind, OutcomeKind::Success, "{third:?}");
+    assert_eq!(incremental(&third), Some(0), "{third:?}");
 }
 
 // --- restores -----------------------------------------------------------------------------------

@@ -94,7 +94,6 @@ async fn run(ctx: Arc<Context>, pvb: PodVolumeBackup, token: CancellationToken) 
         )
         .await;
 
-        let uploader = prepared.request.uploader;
         let op = ctx.engine.backup(prepared.request);
         ctx.registry.attach(&uid, op.clone());
         let reason = monitor(&ctx, &pvb, &mut w, &uid, &op, &token).await;
@@ -123,10 +122,9 @@ async fn run(ctx: Arc<Context>, pvb: PodVolumeBackup, token: CancellationToken) 
         status["phase"] = Value::String(phase.as_str().to_string());
         status["message"] = Value::String(message.clone());
         status["snapshotID"] = Value::String(outcome.snapshot_id.clone().unwrap_or_default());
-        // restic's summary counts the bytes added; kopia's CLI prints only rounded figures of
-        // what it hashed, so nothing is claimed for it.
-        if let (UploaderKind::Restic, Some(s)) = (uploader, &outcome.summary) {
-            status["incrementalBytes"] = json!(i64::try_from(s.bytes_added).unwrap_or(i64::MAX));
+        // How each uploader's figure is derived: restic::classify and kopia::incremental_bytes.
+        if let Some(n) = outcome.summary.as_ref().and_then(|s| s.incremental_bytes) {
+            status["incrementalBytes"] = json!(i64::try_from(n).unwrap_or(i64::MAX));
         }
         end(&ctx, &pvb, &mut w, status, started, progress.n_completed).await;
     }

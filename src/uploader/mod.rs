@@ -66,6 +66,9 @@ pub struct ProgressSample {
     pub total_files: Option<u64>,
     /// The uploader has finished walking the source, so `total_bytes` is final.
     pub scan_finished: bool,
+    /// Bytes read and hashed so far, as opposed to taken unchanged from the parent snapshot
+    /// (kopia's "hashed"; `None` where the uploader does not say).
+    pub bytes_read: Option<u64>,
 }
 
 /// The uploader's final report of a finished snapshot or restore.
@@ -87,6 +90,10 @@ pub struct RunSummary {
     pub failed_items: u64,
     /// kopia's `incomplete` reason (`canceled`, `checkpoint`, `limit reached`).
     pub incomplete: Option<String>,
+    /// kopia's manifest statistics: files taken from the parent snapshot unread (`cachedFiles`)
+    /// and files read (`nonCachedFiles`). `None` for restic.
+    pub files_cached: Option<u64>,
+    pub files_read: Option<u64>,
 }
 
 /// One thing the uploader said, in the engine's terms.
@@ -205,6 +212,10 @@ pub struct RunSummaryView {
     pub bytes_added: u64,
     /// Files found unchanged against the parent and not read again.
     pub files_unmodified: u64,
+    /// What Velero's status field `incrementalBytes` holds, when the uploader's output gives it
+    /// (see each uploader's classification).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub incremental_bytes: Option<u64>,
 }
 
 impl From<&RunSummary> for RunSummaryView {
@@ -214,6 +225,7 @@ impl From<&RunSummary> for RunSummaryView {
             total_files: s.total_files,
             bytes_added: s.bytes_added,
             files_unmodified: s.files_unmodified,
+            incremental_bytes: None,
         }
     }
 }

@@ -438,6 +438,7 @@ impl ResticParser {
                         total_files: Some(s.total_files),
                         // restic estimates the remaining time only once the scan is over.
                         scan_finished: s.seconds_remaining.is_some(),
+                        bytes_read: None,
                     }),
                     Direction::Restore => UploaderEvent::Progress(ProgressSample {
                         bytes_done: s.bytes_restored.saturating_add(s.bytes_skipped),
@@ -445,6 +446,7 @@ impl ResticParser {
                         files_done: s.files_restored.saturating_add(s.files_skipped),
                         total_files: Some(s.total_files),
                         scan_finished: true,
+                        bytes_read: None,
                     }),
                 }
             }
@@ -608,6 +610,7 @@ pub fn classify(exit: ExitInfo, facts: &RunFacts, stopped: bool, mode: Direction
                     total_files: 0,
                     bytes_added: 0,
                     files_unmodified: 0,
+                    incremental_bytes: Some(0),
                 }),
                 failed_items: 0,
                 first_failed_items: Vec::new(),
@@ -653,7 +656,11 @@ pub fn classify(exit: ExitInfo, facts: &RunFacts, stopped: bool, mode: Direction
         message: crate::text::redact_url_credentials(&message),
         exit_code: exit.code,
         snapshot_id,
-        summary: facts.summary.as_ref().map(RunSummaryView::from),
+        // restic's summary counts the new data it stored: what its Velero reported too.
+        summary: facts.summary.as_ref().map(|s| RunSummaryView {
+            incremental_bytes: (mode == Direction::Backup).then_some(s.bytes_added),
+            ..RunSummaryView::from(s)
+        }),
         failed_items: facts.failed_items,
         first_failed_items: facts.first_failed_items.clone(),
         truncated_frames: facts.truncated_frames,

@@ -324,6 +324,14 @@ async fn velero_117_kopia_backup_incremental_and_restore() {
             <= 1,
         "{second}"
     );
+    // Velero's incrementalBytes: all of the first backup, only the new 10-byte file (kopia
+    // prints it exactly, "10 B") the second time.
+    assert_eq!(
+        st.incremental_bytes,
+        st.progress.as_ref().map(|p| p.total_bytes),
+        "{st:?}"
+    );
+    assert_eq!(st2.incremental_bytes, Some(10), "{st2:?}");
 
     // The restore, as Velero 1.17+ creates it (no repoIdentifier, uploaderSettings).
     let (dst_pod, dst) = env.create_pod("kopia-dst", NODE, &["data"]).await;
