@@ -5,7 +5,8 @@
 #   scripts/bench.sh --quick    small sizes and few runs, a fast check that everything works
 #   scripts/bench.sh --capture  also re-capture testdata/restic-streams/ with the installed restic
 #
-# Needs restic on PATH (or RESTIC=/path/to/restic) and /proc. Work files go to a temporary
+# Needs restic on PATH (or RESTIC=/path/to/restic), kopia (KOPIA=..., else scripts/install-kopia.sh
+# builds the pinned one) and /proc. Work files go to a temporary
 # directory under BENCH_WORK_PARENT (default /var/tmp: a real disk, not tmpfs), removed at the end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,6 +24,8 @@ done
 
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$PWD/target-bench}"
 RESTIC="${RESTIC:-$(command -v restic)}"
+# The kopia of case 7: KOPIA=/path/to/kopia, else the pinned one (built once, cached).
+if [ -z "${KOPIA:-}" ]; then read -r _ KOPIA < <(scripts/install-kopia.sh 0.22.3); fi
 OUT="${BENCH_OUT:-BENCHMARKS.md}"
 if [ "$quick" = 1 ]; then runs=3; cpu_runs=3; cancel_runs=3; agent_cancel_runs=3; objects=2000; big_objects=20000; secs=0.1; quick_flag=--quick
 else runs=5; cpu_runs=15; cancel_runs=20; agent_cancel_runs=10; objects=10000; big_objects=100000; secs=0.5; quick_flag=; fi
@@ -51,6 +54,10 @@ rm -rf "$work/overhead"
 echo "case 4: cancel latency" >&2
 bench cancel --restic "$RESTIC" --work "$work/cancel" --runs "$cancel_runs" --out "$parts/4.md" >/dev/null
 rm -rf "$work/cancel"
+echo "case 7: kopia (overhead over bare kopia, progress age, cancel latency)" >&2
+bench kopia --kopia "$KOPIA" --agent "$CARGO_TARGET_DIR/release/podvolume-agent" --work "$work/kopia" \
+  --runs "$runs" --cancel-runs "$cancel_runs" $quick_flag --out "$parts/7.md" >/dev/null
+rm -rf "$work/kopia"
 echo "cases 4b and 5: the agent against the API server stand-in" >&2
 bench agent --restic "$RESTIC" --agent "$CARGO_TARGET_DIR/release/podvolume-agent" \
   --work "$work/agent" --cancel-runs "$agent_cancel_runs" --objects "$objects" --running 4 \
@@ -87,6 +94,6 @@ mem_kib="$(sed -n 's/^MemTotal:[[:space:]]*\([0-9]*\) kB/\1/p' /proc/meminfo)"
   echo "The machine is shared and noisy: read the medians and the ratios (measured in the same"
   echo "run, alternating), not single absolute times."
   echo
-  cat "$parts/1-2.md" "$parts/3.md" "$parts/4.md" "$parts/4b-5.md" "$parts/5b.md" "$parts/6.md"
+  cat "$parts/1-2.md" "$parts/3.md" "$parts/4.md" "$parts/4b-5.md" "$parts/5b.md" "$parts/6.md" "$parts/7.md"
 } > "$OUT"
 echo "wrote $OUT" >&2

@@ -715,6 +715,73 @@ echo "  velero server log: $(wc -l <"$W/velero-server.log") lines, $verr level=e
 grep 'level=error' "$W/velero-server.log" | sed -E 's/^time="[^"]*" //' | cut -c1-300 | head -n 10 | sed 's/^/  | /' || true
 curl -fsS "http://127.0.0.1:$agent_port/metrics" 2>/dev/null | grep -E '^podvolume_agent_(operations|status_writes)_total' | sed 's/^/  metric /' || true
 
+# --- case 7: Velero's own node agent started beside ours on the same node ---------------------------
+# Why the README says never to run the two on one node, shown rather than read from Velero's
+# source: (a) at its start, Velero's node agent takes an InProgress PodVolumeBackup of its node
+# that it cannot resume (ours: there is no data-mover pod of its own) and sets spec.cancel on it;
+# (b) a new PodVolumeBackup is then claimed by both (reported, not asserted: who wins is a race).
+# velero server and Velero's node agent both bind controller-runtime's metrics port :8080 (no
+# flag moves it): the server, not needed any more, is stopped first.
+step_begin "case 7: Velero's own node agent (velero node-agent server) started on $NODE while our agent backs up"
+stop_group velero-server "$velero_pg" 5
+port_free 8080 || die "port 8080 still taken after stopping velero server"
+slow_uid=$(k -n "$SLOW" get pod slow -o jsonpath='{.metadata.uid}')
+bt_uid=$(k -n "$VNS" get backup b-timeout -o jsonpath='{.metadata.uid}')
+# $1 name, $2 backup label, $3 pod namespace, $4 pod, $5 pod uid: a PodVolumeBackup as Velero
+# 1.18's server makes it, owned by the (ended) Backup b-timeout so the collector keeps it.
+pvb_yaml() {
+  echo "apiVersion: velero.io/v1
+kind: PodVolumeBackup
+metadata:
+  name: $1
+  namespace: $VNS
+  labels: {velero.io/backup-name: $2, velero.io/backup-uid: $bt_uid}
+  ownerReferences: [{apiVersion: velero.io/v1, kind: Backup, name: b-timeout, uid: $bt_uid, controller: true}]
+spec:
+  node: $NODE
+  pod: {kind: Pod, namespace: $3, name: $4, uid: $5}
+  volume: data
+  backupStorageLocation: default
+  repoIdentifier: \"\"
+  uploaderType: kopia
+  tags: {backup: $2, backup-uid: $bt_uid, ns: $3, pod: $4, pod-uid: $5, volume: data}"
+}
+pvb_yaml beside-1 b-beside "$SLOW" slow "$slow_uid" | k apply -f - >/dev/null
+wait_until "$TIMEOUT" "PodVolumeBackup beside-1 InProgress with kopia running" pvb_moving b-beside
+mkdir -p "$W/velero-node-agent/tmp" "$W/velero-node-agent/home"
+start_group velero-node-agent 5 "$W/velero-node-agent.log" env NODE_NAME="$NODE" VELERO_NAMESPACE="$VNS" \
+  TMPDIR="$W/velero-node-agent/tmp" HOME="$W/velero-node-agent/home" \
+  AWS_SHARED_CREDENTIALS_FILE="$W/velero/credentials/cloud" \
+  "$velero" node-agent server --kubeconfig "$W/velero-sa.kubeconfig" --namespace "$VNS" \
+  --metrics-address "127.0.0.1:$(free_port)" --log-level info
+vna_pg=${groups[-1]#*:}; vna_pg=${vna_pg%%:*}
+ended_by_cancel b-beside "Velero's node agent started"
+vna_said=$(grep -F 'beside-1' "$W/velero-node-agent.log" | grep -F 'have to cancel it' | sed -E 's/^time="[^"]*" //' | head -n 1 | cut -c1-250)
+echo "  Velero's node agent: ${vna_said:-(nothing about beside-1)}"
+check "Velero's node agent canceled our running backup at its start (\"Failed to resume data path for PVB, have to cancel it\")" [ -n "$vna_said" ]
+
+# (b) both running: a new PodVolumeBackup of a small volume.
+writer_uid=$(k -n "$APP" get pod writer -o jsonpath='{.metadata.uid}')
+pvb_yaml beside-2 b-beside-2 "$APP" writer "$writer_uid" | k apply -f - >/dev/null
+pvb2_terminal() { case "$(pvb_of b-beside-2 status.phase)" in Completed | Failed | Canceled) return 0 ;; *) return 1 ;; esac; }
+settle 30 pvb2_terminal || true
+k -n "$VNS" get podvolumebackup beside-2 -o json --show-managed-fields >"$W/beside-2.json"
+python3 - "$W/beside-2.json" <<'PY' | sed 's/^/  observed: /'
+import json, sys
+o = json.load(open(sys.argv[1]))
+st = o.get("status") or {}
+print(f"PodVolumeBackup beside-2 after 30 s with both agents: phase {st.get('phase')!r}, "
+      f"message {(st.get('message') or '')[:160]!r}, snapshotID {st.get('snapshotID')!r}")
+writers = sorted({m.get("manager") for m in o["metadata"].get("managedFields", [])
+                  if "f:status" in json.dumps(m.get("fieldsV1", {}))})
+print(f"status written by: {', '.join(w for w in writers if w)}")
+PY
+movers=$(k -n "$VNS" get pods -o name 2>/dev/null | grep -c beside-2 || true)
+echo "  observed: data-mover pods Velero's node agent created for beside-2: $movers"
+check "Velero's node agent is still running (it ran beside ours for the whole case)" group_alive "$vna_pg"
+stop_group velero-node-agent "$vna_pg" 5
+step_end
+
 # --- summary -------------------------------------------------------------------------------------
 echo
 echo "time per step:"

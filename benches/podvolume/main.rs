@@ -6,6 +6,7 @@
 
 mod agent;
 mod cancel;
+mod kopia;
 mod overhead;
 mod parser;
 mod replay;
@@ -86,6 +87,23 @@ enum Cmd {
         #[arg(long)]
         out: PathBuf,
     },
+    /// Case 7: kopia's rows (overhead over bare kopia, progress age, cancel latency).
+    Kopia {
+        #[arg(long)]
+        kopia: PathBuf,
+        #[arg(long)]
+        agent: PathBuf,
+        #[arg(long)]
+        work: PathBuf,
+        #[arg(long, default_value_t = 5)]
+        runs: usize,
+        #[arg(long, default_value_t = 10)]
+        cancel_runs: usize,
+        #[arg(long)]
+        quick: bool,
+        #[arg(long)]
+        out: PathBuf,
+    },
     /// Cases 4b and 5: cancel latency through the API and memory at scale, the agent binary
     /// against the API server stand-in.
     Agent {
@@ -148,6 +166,25 @@ fn main() {
             runs,
             out,
         } => write(&out, &cancel::run(&restic, &work, runs)),
+        Cmd::Kopia {
+            kopia,
+            agent,
+            work,
+            runs,
+            cancel_runs,
+            quick,
+            out,
+        } => write(
+            &out,
+            &kopia::run(&kopia::Options {
+                kopia: &kopia,
+                agent: &agent,
+                work: &work,
+                runs,
+                cancel_runs,
+                quick,
+            }),
+        ),
         Cmd::Agent {
             restic,
             agent,

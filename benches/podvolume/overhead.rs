@@ -28,20 +28,21 @@ use crate::util::{
 };
 
 #[derive(Debug, Clone, Copy)]
-struct Sample {
-    wall: f64,
-    cpu: f64,
+pub struct Sample {
+    pub wall: f64,
+    pub cpu: f64,
     /// CPU seconds of the spawned process itself (the agent's own, for the agent).
-    own_cpu: f64,
+    pub own_cpu: f64,
     /// CPU seconds of what the spawned process waited for (restic, under the agent).
-    waited_cpu: f64,
+    pub waited_cpu: f64,
     /// Peak RSS (KiB) of the spawned process itself.
-    top_hwm: f64,
-    /// Peak RSS (KiB) of the largest restic process under it (same as `top_hwm` for bare restic).
-    restic_hwm: f64,
+    pub top_hwm: f64,
+    /// Peak RSS (KiB) of the largest uploader process (restic, kopia) under it (same as `top_hwm`
+    /// for a bare uploader).
+    pub uploader_hwm: f64,
 }
 
-fn measure(mut cmd: Command, label: &str) -> Sample {
+pub fn measure(mut cmd: Command, label: &str) -> Sample {
     // The previous run's repository is still being written back: flush it outside the timing,
     // so no run pays for the one before it.
     nix::unistd::sync();
@@ -63,7 +64,9 @@ fn measure(mut cmd: Command, label: &str) -> Sample {
                 }
                 let procs = processes();
                 for c in children_of(pid) {
-                    if procs.iter().any(|p| p.0 == c && p.4 == "restic")
+                    if procs
+                        .iter()
+                        .any(|p| p.0 == c && (p.4 == "restic" || p.4 == "kopia"))
                         && let Some(h) = vm_hwm_kib(c)
                     {
                         restic = restic.max(h);
@@ -92,7 +95,7 @@ fn measure(mut cmd: Command, label: &str) -> Sample {
         own_cpu,
         waited_cpu,
         top_hwm: top as f64,
-        restic_hwm: if restic > 0 { restic } else { top } as f64,
+        uploader_hwm: if restic > 0 { restic } else { top } as f64,
     }
 }
 
@@ -291,7 +294,7 @@ pub fn run(
                     s.own_cpu,
                     s.waited_cpu,
                     s.top_hwm,
-                    s.restic_hwm
+                    s.uploader_hwm
                 );
                 samples[v].push(s);
                 work.drop_repo(&repo, &cache);
@@ -333,7 +336,7 @@ pub fn run(
                 fmt(c[v]),
                 fmt(w[v] / w[0]),
                 fmt(c[v] / c[0]),
-                fmt(med(&samples[v], |x| x.restic_hwm) / 1024.0),
+                fmt(med(&samples[v], |x| x.uploader_hwm) / 1024.0),
             ));
         }
     }
