@@ -44,6 +44,15 @@
 #   5. server restart: the same kind of backup, and `velero server` stopped and started again
 #      mid-transfer -> at start Velero fails the Backup and sets spec.cancel on its PVB ("during
 #      the velero server starting, mark it as cancel"): the same checks as 4, the Backup Failed.
+#   6. interchangeable snapshots: Velero 1.18's own kopia data path (`velero pod-volume restore`,
+#      the command of its node agent's data-mover pod, run as a host process by
+#      tools/velero-smoke/velero-data-path.sh) restores a snapshot our agent made in case 1;
+#      `velero pod-volume backup` snapshots the same volume and our agent restores that one:
+#      both byte for byte, modes and mtimes, done files; both snapshots under one kopia source.
+#   7. Velero's own node agent (`velero node-agent server`, host process) started on the node
+#      while our agent backs up: it sets spec.cancel on our running PodVolumeBackup, ours stops
+#      kopia and ends it Canceled; what a PodVolumeBackup created with both running gets is
+#      printed (a race: not asserted). velero server is stopped first (both bind :8080).
 #   (Velero refuses to delete a backup that is still in progress -- its DeleteBackupRequest ends
 #   with "backup is still in progress" -- so a deletion mid-transfer never reaches the agent
 #   through Velero; deleting a PodVolumeBackup itself is tests/e2e's deleting_a_running_backup.)
