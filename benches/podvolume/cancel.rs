@@ -7,10 +7,52 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use podvolume_agent::engine::{BackupRequest, Engine, EngineConfig};
+use podvolume_agent::operation::Operation;
 use podvolume_agent::uploader::restic::BackupOptions;
 use podvolume_agent::uploader::{OutcomeKind, RepositoryAccess, UploaderKind};
 
 use crate::util::{Work, children_of, fmt, gen_large, group_alive, max, median, processes};
+
+/// Waits for the operation's first progress, then half a second (a cancel arrives at any time),
+/// cancels it and returns (until its uploader's process group is gone, until `cancel()`
+/// returned, the outcome). `uploader`: the process name leading that group.
+pub async fn cancel_timed(op: Operation, uploader: &str) -> (Duration, Duration, OutcomeKind) {
+    let me = std::process::id();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while op.progress().n_completed == 0 {
+        assert!(Instant::now() < deadline, "no progress within 120 s");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let pgid = children_of(me)
+        .into_iter()
+        .find(|p| {
+            processes()
+                .iter()
+                .any(|q| q.0 == *p && q.4 == uploader && q.2 == *p)
+        })
+        .unwrap_or_else(|| panic!("{uploader} running in its own process group"));
+    let done = Arc::new(AtomicBool::new(false));
+    let t0 = Instant::now();
+    let watcher = {
+        let done = done.clone();
+        std::thread::spawn(move || {
+            while group_alive(pgid) && !done.load(Ordering::Relaxed) {
+                std::thread::sleep(Duration::from_micros(500));
+            }
+            t0.elapsed()
+        })
+    };
+    let outcome = op.cancel().await;
+    let returned = t0.elapsed();
+    done.store(true, Ordering::Relaxed);
+    let gone = watcher.join().unwrap();
+    assert!(
+        !group_alive(pgid),
+        "process group {pgid} alive after cancel()"
+    );
+    (gone, returned, outcome.kind.clone())
+}
 
 pub fn run(restic: &Path, work_dir: &Path, runs: usize) -> String {
     let mut work = Work::new(work_dir, restic);
@@ -25,7 +67,6 @@ pub fn run(restic: &Path, work_dir: &Path, runs: usize) -> String {
         init_missing_repository: false,
         ..EngineConfig::default()
     });
-    let me = std::process::id();
     let mut gone_ms = Vec::new();
     let mut returned_ms = Vec::new();
     let mut locks_left = 0;
@@ -49,47 +90,7 @@ pub fn run(restic: &Path, work_dir: &Path, runs: usize) -> String {
                 ..BackupOptions::default()
             },
         };
-        let (gone, returned, kind) = rt.block_on(async {
-            let op = engine.backup(req);
-            let deadline = Instant::now() + Duration::from_secs(120);
-            while op.progress().n_completed == 0 {
-                assert!(Instant::now() < deadline, "no progress within 120 s");
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-            // Half a second into the upload, as a cancel would arrive at any time.
-            tokio::time::sleep(Duration::from_millis(500)).await;
-            let pgid = children_of(me)
-                .into_iter()
-                .find(|p| {
-                    processes()
-                        .iter()
-                        .any(|q| q.0 == *p && q.4 == "restic" && q.2 == *p)
-                })
-                .expect("restic backup running in its own process group");
-            let done = Arc::new(AtomicBool::new(false));
-            let t0 = Instant::now();
-            let watcher = {
-                let done = done.clone();
-                std::thread::spawn(move || {
-                    while group_alive(pgid) {
-                        if done.load(Ordering::Relaxed) {
-                            break;
-                        }
-                        std::thread::sleep(Duration::from_micros(500));
-                    }
-                    t0.elapsed()
-                })
-            };
-            let outcome = op.cancel().await;
-            let returned = t0.elapsed();
-            done.store(true, Ordering::Relaxed);
-            let gone = watcher.join().unwrap();
-            assert!(
-                !group_alive(pgid),
-                "process group {pgid} alive after cancel()"
-            );
-            (gone, returned, outcome.kind.clone())
-        });
+        let (gone, returned, kind) = rt.block_on(cancel_timed(engine.backup(req), "restic"));
         if kind != OutcomeKind::Canceled {
             not_canceled += 1;
         }

@@ -15,7 +15,6 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use podvolume_agent::engine::{BackupRequest, Engine, EngineConfig};
@@ -23,10 +22,9 @@ use podvolume_agent::progress::WriteSchedule;
 use podvolume_agent::uploader::restic::BackupOptions;
 use podvolume_agent::uploader::{OutcomeKind, RepositoryAccess, UploaderKind};
 
+use crate::cancel::cancel_timed;
 use crate::overhead::{Sample, measure};
-use crate::util::{
-    children_of, fmt, gen_large, gen_small, group_alive, max, median, mib, percentile, processes,
-};
+use crate::util::{fmt, gen_large, gen_small, max, median, mib, percentile};
 
 pub struct Options<'a> {
     pub kopia: &'a Path,
@@ -397,47 +395,11 @@ fn cancel(o: &Options, repos: &mut Repos, rt: &tokio::runtime::Runtime, md: &mut
         .set_len(64 << 30)
         .unwrap();
     let engine = engine(o.kopia, Duration::from_secs(1));
-    let me = std::process::id();
     let (mut gone_ms, mut returned_ms, mut not_canceled) = (Vec::new(), Vec::new(), 0);
     for i in 0..o.cancel_runs {
         let (repo, cache) = repos.fresh();
-        let (gone, returned, kind) = rt.block_on(async {
-            let op = engine.backup(request(repos, &repo, &cache, &data));
-            let deadline = Instant::now() + Duration::from_secs(120);
-            while op.progress().n_completed == 0 {
-                assert!(Instant::now() < deadline, "no progress within 120 s");
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-            tokio::time::sleep(Duration::from_millis(500)).await;
-            let pgid = children_of(me)
-                .into_iter()
-                .find(|p| {
-                    processes()
-                        .iter()
-                        .any(|q| q.0 == *p && q.4 == "kopia" && q.2 == *p)
-                })
-                .expect("kopia snapshot running in its own process group");
-            let done = Arc::new(AtomicBool::new(false));
-            let t0 = Instant::now();
-            let watcher = {
-                let done = done.clone();
-                std::thread::spawn(move || {
-                    while group_alive(pgid) && !done.load(Ordering::Relaxed) {
-                        std::thread::sleep(Duration::from_micros(500));
-                    }
-                    t0.elapsed()
-                })
-            };
-            let outcome = op.cancel().await;
-            let returned = t0.elapsed();
-            done.store(true, Ordering::Relaxed);
-            let gone = watcher.join().unwrap();
-            assert!(
-                !group_alive(pgid),
-                "process group {pgid} alive after cancel()"
-            );
-            (gone, returned, outcome.kind.clone())
-        });
+        let op = engine.backup(request(repos, &repo, &cache, &data));
+        let (gone, returned, kind) = rt.block_on(cancel_timed(op, "kopia"));
         if kind != OutcomeKind::Canceled {
             not_canceled += 1;
         }
