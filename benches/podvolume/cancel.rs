@@ -90,7 +90,8 @@ pub fn run(restic: &Path, work_dir: &Path, runs: usize) -> String {
                 ..BackupOptions::default()
             },
         };
-        let (gone, returned, kind) = rt.block_on(cancel_timed(engine.backup(req), "restic"));
+        let (gone, returned, kind) =
+            rt.block_on(async { cancel_timed(engine.backup(req), "restic").await });
         if kind != OutcomeKind::Canceled {
             not_canceled += 1;
         }

@@ -111,13 +111,15 @@ fn kopia_env(mut c: Command, dir: &Path) -> Command {
     c
 }
 
+/// Both kopia commands are children of the shell (no `exec`), as under the agent, so the peak
+/// RSS taken is the larger of the two either way.
 fn bare(kopia: &Path, repo: &Path, cache: &Path, data: &Path) -> Command {
     let dir = cache.join("kopia");
     let mut c = kopia_env(Command::new("sh"), &dir);
     c.arg("-c")
         .arg(
             r#""$0" repository connect filesystem --path="$1" --cache-directory="$2" >/dev/null &&
-               cd "$3" && exec "$0" snapshot create --json --json-verbose --progress --no-auto-maintenance "$3""#,
+               cd "$3" && "$0" snapshot create --json --json-verbose --progress --no-auto-maintenance "$3""#,
         )
         .arg(kopia)
         .arg(repo)
@@ -398,8 +400,9 @@ fn cancel(o: &Options, repos: &mut Repos, rt: &tokio::runtime::Runtime, md: &mut
     let (mut gone_ms, mut returned_ms, mut not_canceled) = (Vec::new(), Vec::new(), 0);
     for i in 0..o.cancel_runs {
         let (repo, cache) = repos.fresh();
-        let op = engine.backup(request(repos, &repo, &cache, &data));
-        let (gone, returned, kind) = rt.block_on(cancel_timed(op, "kopia"));
+        let req = request(repos, &repo, &cache, &data);
+        let (gone, returned, kind) =
+            rt.block_on(async { cancel_timed(engine.backup(req), "kopia").await });
         if kind != OutcomeKind::Canceled {
             not_canceled += 1;
         }
