@@ -719,6 +719,129 @@ async fn a_queued_backup_whose_start_meets_api_errors_still_runs() {
     env.cleanup().await;
 }
 
+/// The fault proxy itself, with the agent's identity: what passes through it reaches the server
+/// (a watch too, events streaming), and each fault is what a client of the server then meets.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_fault_proxy_forwards_and_injects_each_fault() {
+    use futures::StreamExt;
+    use kube::api::{Patch, PatchParams, WatchEvent, WatchParams};
+    let mut env = Env::new(Flavour::Velero).await;
+    let proxy = env.fault_proxy().await;
+    let (pod, _) = env.create_pod("proxied-pod", NODE, &["data"]).await;
+    env.create_pvb("pvb-proxied", &pod, "data", NODE).await;
+    let client = {
+        let kc = kube::config::Kubeconfig::read_from(proxy.kubeconfig()).unwrap();
+        let mut cfg = kube::Config::from_custom_kubeconfig(kc, &Default::default())
+            .await
+            .unwrap();
+        // Every answer as the proxy gave it: kube's client would retry a 429 or 503 itself.
+        cfg.default_retry = false;
+        kube::Client::try_from(cfg).unwrap()
+    };
+    let pvbs: kube::Api<PodVolumeBackup> = kube::Api::namespaced(client, &env.ns);
+    fn answer<T>(r: Result<T, kube::Error>) -> String {
+        match r {
+            Ok(_) => "ok".to_string(),
+            Err(kube::Error::Api(s)) => format!("{} {}", s.code, s.reason),
+            Err(e) => format!("no answer: {e}"),
+        }
+    }
+    let get = || pvbs.get("pvb-proxied");
+    let label = |v: &str| Patch::Merge(json!({"metadata": {"labels": {"proxied": v}}}));
+    let this = RequestMatch::any()
+        .resource("podvolumebackups")
+        .name("pvb-proxied");
+
+    assert_eq!(answer(get().await), "ok");
+    let through = |verb: &str| proxy.request_count(&this.clone().verb(verb));
+    assert_eq!(through("get"), 1, "{:?}", proxy.request_log());
+
+    proxy.fail_next(this.clone().verb("get"), 1, 500);
+    assert_eq!(answer(get().await), "500 InternalError");
+    assert_eq!(answer(get().await), "ok", "one fault asked for, one met");
+    proxy.fail_next(this.clone().verb("get"), 1, 429);
+    assert_eq!(answer(get().await), "429 TooManyRequests");
+    proxy.fail_next(this.clone().verb("get"), 1, 503);
+    assert_eq!(answer(get().await), "503 ServiceUnavailable");
+
+    // A conflict is for writes only, and the write it answers is not applied.
+    proxy.conflict_next(this.clone(), 1);
+    assert_eq!(answer(get().await), "ok");
+    let patch = PatchParams::default();
+    assert_eq!(
+        answer(pvbs.patch("pvb-proxied", &patch, &label("a")).await),
+        "409 Conflict"
+    );
+    let direct = env.pvbs().get("pvb-proxied").await.unwrap();
+    assert_eq!(
+        direct.labels().get("proxied"),
+        None,
+        "the refused write landed"
+    );
+    assert_eq!(
+        answer(pvbs.patch("pvb-proxied", &patch, &label("b")).await),
+        "ok"
+    );
+    let direct = env.pvbs().get("pvb-proxied").await.unwrap();
+    assert_eq!(
+        direct.labels().get("proxied").map(String::as_str),
+        Some("b")
+    );
+
+    proxy.drop_next(this.clone().verb("get"), 1);
+    assert!(answer(get().await).starts_with("no answer"));
+
+    // A held request is answered once released, not before.
+    proxy.hold(this.clone().verb("get"));
+    let held = tokio::spawn({
+        let pvbs = pvbs.clone();
+        async move { answer(pvbs.get("pvb-proxied").await) }
+    });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(!held.is_finished(), "a held request was answered");
+    proxy.release_held();
+    assert_eq!(
+        tokio::time::timeout(Duration::from_secs(10), held)
+            .await
+            .expect("a released request still unanswered")
+            .unwrap(),
+        "ok"
+    );
+
+    // A watch streams through; an outage cuts it and turns new connections away. Without
+    // bookmarks, so that whatever the stream yields after the outage begins is the outage's.
+    let rv = direct.resource_version().unwrap();
+    let params = WatchParams::default()
+        .fields("metadata.name=pvb-proxied")
+        .disable_bookmarks();
+    let mut watch = pvbs.watch(&params, &rv).await.unwrap().boxed();
+    env.pvbs()
+        .patch("pvb-proxied", &patch, &label("c"))
+        .await
+        .unwrap();
+    let event = tokio::time::timeout(Duration::from_secs(10), watch.next())
+        .await
+        .expect("no event through the proxy's watch");
+    match event {
+        Some(Ok(WatchEvent::Modified(p))) => {
+            assert_eq!(p.labels().get("proxied").map(String::as_str), Some("c"))
+        }
+        other => panic!("the watch delivered {other:?}"),
+    }
+    proxy.set_down(true);
+    let cut = tokio::time::timeout(Duration::from_secs(10), watch.next())
+        .await
+        .expect("the outage left the watch open");
+    assert!(
+        !matches!(cut, Some(Ok(_))),
+        "an event during the outage: {cut:?}"
+    );
+    assert!(answer(get().await).starts_with("no answer"));
+    proxy.set_down(false);
+    assert_eq!(answer(get().await), "ok");
+    env.cleanup().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn conflict_storm_on_status_writes() {
     let mut env = Env::new(Flavour::Velero).await;
