@@ -491,9 +491,10 @@ fn upstream(config: &kube::Config) -> Result<Upstream, String> {
 /// A CA and a serving certificate for 127.0.0.1 signed by it (rustls refuses a CA certificate
 /// as a server's own), with `openssl`; EC keys, quick to make.
 fn make_certificate(dir: &Path) -> Result<(), ProxyError> {
-    let run = |args: &[&str]| -> Result<(), ProxyError> {
+    // Each argument is one word: the command lines read as typed in a shell.
+    let run = |args: &str| -> Result<(), ProxyError> {
         let out = std::process::Command::new("openssl")
-            .args(args)
+            .args(args.split_whitespace())
             .current_dir(dir)
             .output()
             .map_err(|e| ProxyError::Certificate(format!("running openssl: {e}")))?;
@@ -501,74 +502,28 @@ fn make_certificate(dir: &Path) -> Result<(), ProxyError> {
             Ok(())
         } else {
             Err(ProxyError::Certificate(format!(
-                "openssl {}: {}",
-                args.join(" "),
+                "openssl {args}: {}",
                 String::from_utf8_lossy(&out.stderr)
             )))
         }
     };
-    let ec = [
-        "-newkey",
-        "ec",
-        "-pkeyopt",
-        "ec_paramgen_curve:P-256",
-        "-nodes",
-    ];
-    run(&[
-        &["req", "-x509"][..],
-        &ec,
-        &[
-            "-keyout",
-            "ca.key",
-            "-out",
-            "ca.crt",
-            "-days",
-            "2",
-            "-subj",
-            "/CN=podvolume-fault-proxy-ca",
-            "-addext",
-            "basicConstraints=critical,CA:TRUE",
-            "-addext",
-            "keyUsage=critical,keyCertSign",
-        ],
-    ]
-    .concat())?;
-    run(&[
-        &["req", "-new"][..],
-        &ec,
-        &[
-            "-keyout",
-            "tls.key",
-            "-out",
-            "tls.csr",
-            "-subj",
-            "/CN=podvolume-fault-proxy",
-        ],
-    ]
-    .concat())?;
+    let ec = "-newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes";
+    run(&format!(
+        "req -x509 {ec} -keyout ca.key -out ca.crt -days 2 -subj /CN=podvolume-fault-proxy-ca \
+         -addext basicConstraints=critical,CA:TRUE -addext keyUsage=critical,keyCertSign"
+    ))?;
+    run(&format!(
+        "req -new {ec} -keyout tls.key -out tls.csr -subj /CN=podvolume-fault-proxy"
+    ))?;
     std::fs::write(
         dir.join("tls.ext"),
         "subjectAltName=IP:127.0.0.1\nbasicConstraints=critical,CA:FALSE\n\
          keyUsage=critical,digitalSignature\nextendedKeyUsage=serverAuth\n",
     )?;
-    run(&[
-        "x509",
-        "-req",
-        "-in",
-        "tls.csr",
-        "-CA",
-        "ca.crt",
-        "-CAkey",
-        "ca.key",
-        "-set_serial",
-        "1",
-        "-days",
-        "2",
-        "-extfile",
-        "tls.ext",
-        "-out",
-        "tls.crt",
-    ])
+    run(
+        "x509 -req -in tls.csr -CA ca.crt -CAkey ca.key -set_serial 1 -days 2 \
+         -extfile tls.ext -out tls.crt",
+    )
 }
 
 /// `from` with its current context's cluster pointed at the proxy: server and CA replaced,
