@@ -13,8 +13,10 @@
 #      a. Velero <= 1.16's PodVolumeBackup/Restore CRDs (../shared/reference/velero-crds/v1.15/,
 #         four phases) over Velero 1.18.3's others: the `velero_116` cases;
 #      b. then Velero 1.18.3's own (`velero install --crds-only`, applied over the old ones as
-#         Velero's upgrade instructions do): every case. The fault-injection cases skip
-#         themselves here (they run on the stand-in, in scripts/test.sh's pass 1);
+#         Velero's upgrade instructions do): every case, the API fault cases among them (a
+#         fault-injecting proxy between the agent and this server, tests/common/fault_proxy.rs);
+#         only the_assertions_follow_the_crds_the_api_server_serves skips itself (it runs on
+#         the stand-in, in scripts/test.sh's pass 1);
 #      c. the kopia cases again with each kopia of PODVOLUME_KOPIA_OTHERS ("<version>=<binary>
 #         ..."), the restic cases with PODVOLUME_RESTIC_NEW (restic 0.18), as scripts/test.sh
 #         gives them.

@@ -20,6 +20,11 @@ use podvolume_agent::crd::{Phase, PodVolumeBackup, PodVolumeRestore};
 use podvolume_testbed::TestApiServer;
 use serde_json::json;
 
+#[allow(unused_imports)]
+pub use fault_proxy::{FaultProxy, RequestMatch};
+
+#[path = "../common/fault_proxy.rs"]
+pub mod fault_proxy;
 #[path = "identity.rs"]
 pub mod identity;
 #[path = "../common/restic_under_test.rs"]
@@ -375,6 +380,17 @@ impl Env {
             _watchdog: Watchdog::start(agents.clone()),
             agents,
         }
+    }
+
+    /// Puts a fault-injecting proxy between the agents this test starts from now on and the API
+    /// server (real or stand-in): the agent's kubeconfig then names the proxy, with the agent's
+    /// own credentials. The test's own client keeps going to the server directly.
+    pub async fn fault_proxy(&mut self) -> FaultProxy {
+        let proxy = FaultProxy::start(&self.agent_kubeconfig, self.tmp.path())
+            .await
+            .unwrap_or_else(|e| panic!("starting the fault proxy: {e}"));
+        self.agent_kubeconfig = proxy.kubeconfig().to_path_buf();
+        proxy
     }
 
     pub fn standin(&self) -> Option<&TestApiServer> {

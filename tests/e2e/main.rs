@@ -1,8 +1,8 @@
 //! End-to-end: the agent binary against an API server (the stand-in by default; a real cluster
 //! with `PODVOLUME_E2E_KUBECONFIG=<file>`), real restic, real files.
 //!
-//! Tests that need fault injection (API outage, 409 storm, counting requests) run only against
-//! the stand-in and say so when skipped.
+//! Faults of the API server (an outage, 409 storms, 500/503 answers) come from a fault-injecting
+//! proxy between the agent and the server (`tests/common/fault_proxy.rs`), on either server.
 
 mod harness;
 mod kopia;
@@ -15,7 +15,6 @@ use std::time::Duration;
 use harness::*;
 use nix::sys::signal::Signal;
 use podvolume_agent::crd::{Phase, PodVolumeBackup};
-use podvolume_testbed::RequestMatch;
 use serde_json::json;
 
 const LONG: Duration = Duration::from_secs(120);
@@ -590,15 +589,12 @@ async fn sigterm_stops_children_and_leaves_the_object_for_the_next_start() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn api_outage_mid_backup_the_result_still_lands() {
-    let env = Env::new(Flavour::Velero).await;
-    let Some(server) = env.standin() else {
-        eprintln!("skipped: needs the API stand-in (fault injection)");
-        return;
-    };
+    let mut env = Env::new(Flavour::Velero).await;
+    let proxy = env.fault_proxy().await;
     // About a minute of upload, so the 30 s outage falls inside it with time to spare on a
     // loaded machine (at running_backup's 2 minutes the wait below was a race with the clock).
     let (agent, _) = running_backup_at(&env, "pvb-outage", &[], 700).await;
-    server.server_down_for(Duration::from_secs(30));
+    proxy.down_for(Duration::from_secs(30));
     // The agent stays alive and healthy while the API server is gone.
     tokio::time::sleep(Duration::from_secs(2)).await;
     assert_eq!(agent.http_get("/livez").await.map(|r| r.0), Some(200));
@@ -675,27 +671,16 @@ async fn a_result_someone_else_wrote_mid_backup_is_not_overwritten() {
 /// up there left it Accepted for ever.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_queued_backup_whose_start_meets_api_errors_still_runs() {
-    let env = Env::new(Flavour::Velero).await;
-    let Some(server) = env.standin() else {
-        eprintln!("skipped: needs the API stand-in (fault injection)");
-        return;
-    };
+    let mut env = Env::new(Flavour::Velero).await;
+    let proxy = env.fault_proxy().await;
     let (agent, _) = running_backup_at(&env, "pvb-first", &["--concurrency=1"], 5000).await;
     let (pod, dirs) = env.create_pod("queued-pod", NODE, &["data"]).await;
     Env::fill(&dirs["data"], &[("q.bin", 1 << 20)]);
     env.create_pvb("pvb-queued", &pod, "data", NODE).await;
-    // Read by list from here on: the faults below are for the agent's requests by name.
+    // The test's own reads go to the server directly: the faults below meet the agent alone.
     let phase_of = |name: &'static str| {
         let api = env.pvbs();
-        async move {
-            api.list(&Default::default())
-                .await
-                .unwrap()
-                .items
-                .into_iter()
-                .find(|p| p.metadata.name.as_deref() == Some(name))
-                .and_then(|p| p.status.and_then(|s| s.phase))
-        }
+        async move { api.get(name).await.unwrap().status.and_then(|s| s.phase) }
     };
     let deadline = std::time::Instant::now() + LONG;
     while phase_of("pvb-queued").await != Some(Phase::Accepted) {
@@ -710,8 +695,8 @@ async fn a_queued_backup_whose_start_meets_api_errors_still_runs() {
     let queued = RequestMatch::any()
         .resource("podvolumebackups")
         .name("pvb-queued");
-    server.fail_next(queued.clone().verb("get"), 1, 500);
-    server.fail_next(queued.clone().verb("patch"), 2, 503);
+    proxy.fail_next(queued.clone().verb("get"), 1, 500);
+    proxy.fail_next(queued.clone().verb("patch"), 2, 503);
     loop {
         let phase = phase_of("pvb-queued").await;
         if phase.is_some_and(|p| p.is_terminal()) {
@@ -725,7 +710,7 @@ async fn a_queued_backup_whose_start_meets_api_errors_still_runs() {
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    let failed = server
+    let failed = proxy
         .request_log()
         .iter()
         .filter(|r| r.path.ends_with("/pvb-queued") && r.status >= 500)
@@ -734,18 +719,138 @@ async fn a_queued_backup_whose_start_meets_api_errors_still_runs() {
     env.cleanup().await;
 }
 
+/// The fault proxy itself, with the agent's identity: what passes through it reaches the server
+/// (a watch too, events streaming), and each fault is what a client of the server then meets.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_fault_proxy_forwards_and_injects_each_fault() {
+    use futures::StreamExt;
+    use kube::api::{Patch, PatchParams, WatchEvent, WatchParams};
+    let mut env = Env::new(Flavour::Velero).await;
+    let proxy = env.fault_proxy().await;
+    let (pod, _) = env.create_pod("proxied-pod", NODE, &["data"]).await;
+    env.create_pvb("pvb-proxied", &pod, "data", NODE).await;
+    let client = {
+        let kc = kube::config::Kubeconfig::read_from(proxy.kubeconfig()).unwrap();
+        let mut cfg = kube::Config::from_custom_kubeconfig(kc, &Default::default())
+            .await
+            .unwrap();
+        // Every answer as the proxy gave it: kube's client would retry a 429 or 503 itself.
+        cfg.default_retry = false;
+        kube::Client::try_from(cfg).unwrap()
+    };
+    let pvbs: kube::Api<PodVolumeBackup> = kube::Api::namespaced(client, &env.ns);
+    fn answer<T>(r: Result<T, kube::Error>) -> String {
+        match r {
+            Ok(_) => "ok".to_string(),
+            Err(kube::Error::Api(s)) => format!("{} {}", s.code, s.reason),
+            Err(e) => format!("no answer: {e}"),
+        }
+    }
+    let get = || pvbs.get("pvb-proxied");
+    let label = |v: &str| Patch::Merge(json!({"metadata": {"labels": {"proxied": v}}}));
+    let this = RequestMatch::any()
+        .resource("podvolumebackups")
+        .name("pvb-proxied");
+
+    assert_eq!(answer(get().await), "ok");
+    let through = |verb: &str| proxy.request_count(&this.clone().verb(verb));
+    assert_eq!(through("get"), 1, "{:?}", proxy.request_log());
+
+    proxy.fail_next(this.clone().verb("get"), 1, 500);
+    assert_eq!(answer(get().await), "500 InternalError");
+    assert_eq!(answer(get().await), "ok", "one fault asked for, one met");
+    proxy.fail_next(this.clone().verb("get"), 1, 429);
+    assert_eq!(answer(get().await), "429 TooManyRequests");
+    proxy.fail_next(this.clone().verb("get"), 1, 503);
+    assert_eq!(answer(get().await), "503 ServiceUnavailable");
+
+    // A conflict is for writes only, and the write it answers is not applied.
+    proxy.conflict_next(this.clone(), 1);
+    assert_eq!(answer(get().await), "ok");
+    let patch = PatchParams::default();
+    assert_eq!(
+        answer(pvbs.patch("pvb-proxied", &patch, &label("a")).await),
+        "409 Conflict"
+    );
+    let direct = env.pvbs().get("pvb-proxied").await.unwrap();
+    assert_eq!(
+        direct.labels().get("proxied"),
+        None,
+        "the refused write landed"
+    );
+    assert_eq!(
+        answer(pvbs.patch("pvb-proxied", &patch, &label("b")).await),
+        "ok"
+    );
+    let direct = env.pvbs().get("pvb-proxied").await.unwrap();
+    assert_eq!(
+        direct.labels().get("proxied").map(String::as_str),
+        Some("b")
+    );
+
+    proxy.drop_next(this.clone().verb("get"), 1);
+    assert!(answer(get().await).starts_with("no answer"));
+
+    // A held request is answered once released, not before.
+    proxy.hold(this.clone().verb("get"));
+    let held = tokio::spawn({
+        let pvbs = pvbs.clone();
+        async move { answer(pvbs.get("pvb-proxied").await) }
+    });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(!held.is_finished(), "a held request was answered");
+    proxy.release_held();
+    assert_eq!(
+        tokio::time::timeout(Duration::from_secs(10), held)
+            .await
+            .expect("a released request still unanswered")
+            .unwrap(),
+        "ok"
+    );
+
+    // A watch streams through; an outage cuts it and turns new connections away. Without
+    // bookmarks, so that whatever the stream yields after the outage begins is the outage's.
+    let rv = direct.resource_version().unwrap();
+    let params = WatchParams::default()
+        .fields("metadata.name=pvb-proxied")
+        .disable_bookmarks();
+    let mut watch = pvbs.watch(&params, &rv).await.unwrap().boxed();
+    env.pvbs()
+        .patch("pvb-proxied", &patch, &label("c"))
+        .await
+        .unwrap();
+    let event = tokio::time::timeout(Duration::from_secs(10), watch.next())
+        .await
+        .expect("no event through the proxy's watch");
+    match event {
+        Some(Ok(WatchEvent::Modified(p))) => {
+            assert_eq!(p.labels().get("proxied").map(String::as_str), Some("c"))
+        }
+        other => panic!("the watch delivered {other:?}"),
+    }
+    proxy.set_down(true);
+    let cut = tokio::time::timeout(Duration::from_secs(10), watch.next())
+        .await
+        .expect("the outage left the watch open");
+    assert!(
+        !matches!(cut, Some(Ok(_))),
+        "an event during the outage: {cut:?}"
+    );
+    assert!(answer(get().await).starts_with("no answer"));
+    proxy.set_down(false);
+    assert_eq!(answer(get().await), "ok");
+    env.cleanup().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn conflict_storm_on_status_writes() {
-    let env = Env::new(Flavour::Velero).await;
-    let Some(server) = env.standin() else {
-        eprintln!("skipped: needs the API stand-in (fault injection)");
-        return;
-    };
+    let mut env = Env::new(Flavour::Velero).await;
+    let proxy = env.fault_proxy().await;
     let (pod, dirs) = env.create_pod("storm-pod", NODE, &["data"]).await;
     let total = Env::fill(&dirs["data"], &[("a.bin", 20 << 20)]);
     let mut agent = env.start_agent(NODE, &[]);
     agent.wait_ready(LONG).await;
-    server.conflict_next(
+    proxy.conflict_next(
         RequestMatch::any()
             .verb("patch")
             .resource("podvolumebackups"),
@@ -762,7 +867,7 @@ async fn conflict_storm_on_status_writes() {
     let st = status(&done);
     assert_eq!(st.phase, Some(Phase::Completed), "{st:?}\n{}", agent.logs());
     assert_eq!(progress_of(&done), (total as i64, total as i64));
-    let conflicts = server
+    let conflicts = proxy
         .request_log()
         .iter()
         .filter(|r| r.status == 409)
@@ -1236,11 +1341,8 @@ async fn remote_repository_backup_and_server_stopped_mid_backup() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_result_saved_during_an_outage_is_reported_after_a_restart_without_rerunning() {
-    let env = Env::new(Flavour::Velero).await;
-    let Some(server) = env.standin() else {
-        eprintln!("skipped: needs the API stand-in (fault injection)");
-        return;
-    };
+    let mut env = Env::new(Flavour::Velero).await;
+    let proxy = env.fault_proxy().await;
     let (pod, dirs) = env.create_pod("saved-pod", NODE, &["data"]).await;
     Env::fill(&dirs["data"], &[("a.bin", 8 << 20)]);
     let mut agent = env.start_agent(NODE, &[]);
@@ -1249,7 +1351,7 @@ async fn a_result_saved_during_an_outage_is_reported_after_a_restart_without_rer
     env.wait_pvb("pvb-saved", &[Phase::InProgress, Phase::Completed], LONG)
         .await;
     // The API server goes down before the result can be written; the backup finishes meanwhile.
-    server.set_server_down(true);
+    proxy.set_down(true);
     let state = env.tmp.path().join(format!("state-{NODE}/results"));
     let deadline = std::time::Instant::now() + LONG;
     while std::fs::read_dir(&state).map(|d| d.count()).unwrap_or(0) == 0 {
@@ -1263,7 +1365,7 @@ async fn a_result_saved_during_an_outage_is_reported_after_a_restart_without_rer
     agent.signal(Signal::SIGTERM);
     assert_eq!(agent.wait(Duration::from_secs(20)), Some(0));
     let snapshots_before = env.restic_snapshots().len();
-    server.set_server_down(false);
+    proxy.set_down(false);
     let mut agent2 = env.start_agent(NODE, &[]);
     agent2.wait_ready(LONG).await;
     let done = env
