@@ -17,6 +17,7 @@
 # 5. RBAC: the ClusterRole and Role rules of `helm template` (both value sets) equal those of
 #    `kubectl kustomize daemonset/` as sets, bound to the chart's ServiceAccount (test-helm.py rbac).
 # 6. On a real kube-apiserver (scripts/start-control-plane.sh, stopped on exit, also on failure):
+#    `helm install` refused over daemonset/'s objects, then (those deleted, the CRDs kept)
 #    `helm install` into namespace velero, the DaemonSet, its pod labels, the ServiceAccount, what
 #    the ServiceAccount may do (a SubjectAccessReview for every permission of daemonset/rbac.yaml,
 #    `kubectl auth can-i --as` for the main ones and for some it must not have), `helm upgrade` with a changed value, `helm uninstall` removing
@@ -127,6 +128,18 @@ echo "  control plane: kube-apiserver $("$cp_bin/kube-apiserver" --version | cut
 k create namespace velero >/dev/null
 k apply -f "$root/daemonset/crds.yaml" >/dev/null
 k wait --for condition=established --timeout=60s crd/podvolumebackups.velero.io crd/podvolumerestores.velero.io >/dev/null
+# A cluster where daemonset/ was applied: helm refuses to take its objects over (the README says
+# to delete them first, with the selector that leaves the CRDs alone).
+k apply -k "$root/daemonset" -l app.kubernetes.io/name=podvolume-agent >/dev/null
+if out=$("$helm" install podvolume-agent "$chart" --namespace velero 2>&1); then
+  fail "helm install took over the objects applied from daemonset/"
+fi
+grep -qF "cannot be imported into the current release" <<<"$out" \
+  || fail "helm install over daemonset/'s objects failed otherwise than expected:"$'\n'"$out"
+echo "  ok: helm install refuses daemonset/'s objects (exists and cannot be imported)"
+k delete -k "$root/daemonset" -l app.kubernetes.io/name=podvolume-agent --wait >/dev/null
+k get crd podvolumebackups.velero.io >/dev/null || fail "kubectl delete -k daemonset/ -l ... removed the CRDs"
+echo "  ok: kubectl delete -k daemonset/ -l app.kubernetes.io/name=podvolume-agent removed them, the CRDs stay"
 h install podvolume-agent "$chart" --namespace velero >"$work/install.out"
 status=$("$helm" status podvolume-agent --namespace velero -o json | sed -n 's/.*"status":"\([a-z-]*\)".*/\1/p' | head -n1)
 [ "$status" = deployed ] || fail "helm status says '$status', not deployed"
