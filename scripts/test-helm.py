@@ -6,7 +6,8 @@ checked and exits non-zero with the reasons when something does not hold.
   test-helm.py defaults RENDERED KUSTOMIZED RUN_HELP VALUES NAMESPACE
       the chart with default values: the DaemonSet's name, labels and namespace; every flag of
       `podvolume-agent run` (from its --help) is a value of `agent`, commented with that flag and
-      its default, and renders as the binary's default; the pod spec equals daemonset/'s
+      its default, described by values.schema.json, and renders as the binary's default; the pod
+      spec equals daemonset/'s
   test-helm.py custom RENDERED VALUES NAMESPACE
       the chart with the non-default VALUES: each of them where it belongs
   test-helm.py rbac RENDERED KUSTOMIZED NAMESPACE SERVICE_ACCOUNT
@@ -130,6 +131,12 @@ def cmd_defaults(rendered, kustomized, help_path, values_path, ns):
     check(set(agent) == expected_keys,
           f"agent's keys are the flags of run but --node-name (missing {sorted(expected_keys - set(agent))},"
           f" extra {sorted(set(agent) - expected_keys)})")
+    import json
+    import os
+    with open(os.path.join(os.path.dirname(values_path), "values.schema.json")) as f:
+        schema_agent = json.load(f)["properties"]["agent"]
+    check(set(schema_agent["properties"]) == expected_keys and schema_agent.get("additionalProperties") is False,
+          "values.schema.json describes exactly these agent values (and refuses others)")
     # The comment block right above each agent key names its flag and the binary's default.
     lines = values_text.splitlines()
     start = lines.index("agent:")

@@ -106,13 +106,27 @@ refused() { # <message the chart must give> <helm template arguments...>
   grep -qF -- "$want" <<<"$out" || fail "helm template $* was refused without saying '$want':"$'\n'"$out"
   echo "  ok: $* refused: $want"
 }
+# values.schema.json first (helm validates before rendering), then the templates' own checks
+# (which also hold with --skip-schema-validation).
+refused "at '/agent': additional properties 'concurency' not allowed" --set agent.concurency=2
+refused "at '/agent/concurrency': minimum: got 0, want 1" --set agent.concurrency=0
+refused "at '/agent/defaultUploader'" --set agent.defaultUploader=rsync
+refused "at '/agent/apiAuth'" --set agent.apiAuth=token
+refused "at '/agent/logFormat'" --set agent.logFormat=xml
+refused "at '/agent/lockWait'" --set agent.lockWait=soon
+refused "at '/agent/listenAddress'" --set agent.listenAddress=0.0.0.0
+refused "at '/image/digest'" --set image.digest=latest
 refused "agent.initMissingRepository and agent.noInit conflict" --set agent.noInit=true --set agent.initMissingRepository=true
-refused "agent.defaultUploader must be restic or kopia" --set agent.defaultUploader=rsync
-refused "agent.apiAuth must be kubernetes or none" --set agent.apiAuth=token
-refused "agent.logFormat must be json or plain" --set agent.logFormat=xml
-refused "agent.listenAddress must end with :<port>" --set agent.listenAddress=0.0.0.0
+refused "agent.defaultUploader must be restic or kopia" --skip-schema-validation --set agent.defaultUploader=rsync
+refused "agent.apiAuth must be kubernetes or none" --skip-schema-validation --set agent.apiAuth=token
+refused "agent.logFormat must be json or plain" --skip-schema-validation --set agent.logFormat=xml
+refused "agent.listenAddress must end with :<port>" --skip-schema-validation --set agent.listenAddress=0.0.0.0
 refused "metrics.serviceMonitor.enabled needs metrics.service.enabled" \
   --set metrics.serviceMonitor.enabled=true --set metrics.service.enabled=false
+h template podvolume-agent "$chart" --namespace velero --set agent.stallTimeout=0 --set 'agent.operationTimeout=1h 30m' >"$work/durations.yaml"
+grep -qx -- '            - --stall-timeout=0' "$work/durations.yaml" && grep -qx -- '            - --operation-timeout=1h 30m' "$work/durations.yaml" \
+  || fail "agent.stallTimeout=0 (a number) and operationTimeout='1h 30m' do not render as such"
+echo "  ok: agent.stallTimeout=0 (a number) and operationTimeout='1h 30m' render as such"
 
 echo "== 5. RBAC: helm template and kubectl kustomize daemonset/ grant the same =="
 python3 "$checks" rbac "$work/default.yaml" "$work/kustomized.yaml" velero node-agent
