@@ -17,8 +17,8 @@
 # 5. RBAC: the ClusterRole and Role rules of `helm template` (both value sets) equal those of
 #    `kubectl kustomize daemonset/` as sets, bound to the chart's ServiceAccount (test-helm.py rbac).
 # 6. On a real kube-apiserver (scripts/start-control-plane.sh, stopped on exit, also on failure):
-#    `helm install` refused over daemonset/'s objects, then (those deleted, the CRDs kept)
-#    `helm install` into namespace velero, the DaemonSet, its pod labels, the ServiceAccount, what
+#    the non-default rendering accepted by a server-side dry run; `helm install` refused over
+#    daemonset/'s objects, then (those deleted, the CRDs kept) `helm install` into namespace velero, the DaemonSet, its pod labels, the ServiceAccount, what
 #    the ServiceAccount may do (a SubjectAccessReview for every permission of daemonset/rbac.yaml,
 #    `kubectl auth can-i --as` for the main ones and for some it must not have), `helm upgrade` with a changed value, `helm uninstall` removing
 #    every object.
@@ -142,6 +142,14 @@ echo "  control plane: kube-apiserver $("$cp_bin/kube-apiserver" --version | cut
 k create namespace velero >/dev/null
 k apply -f "$root/daemonset/crds.yaml" >/dev/null
 k wait --for condition=established --timeout=60s crd/podvolumebackups.velero.io crd/podvolumerestores.velero.io >/dev/null
+# The non-default rendering is valid for the real API server too (server-side dry run: schema
+# validation and admission, nothing stored; the ServiceMonitor left out, its CRD is not here).
+k create namespace backup-system >/dev/null
+"$helm" template pva "$chart" --namespace backup-system -f "$custom" --set metrics.serviceMonitor.enabled=false \
+  >"$work/custom-no-monitor.yaml"
+k create --dry-run=server -f "$work/custom-no-monitor.yaml" >"$work/dry-run.out" \
+  || fail "the API server refuses the objects rendered with $custom (above)"
+echo "  ok: the API server accepts the non-default rendering (create --dry-run=server: $(wc -l <"$work/dry-run.out") objects)"
 # A cluster where daemonset/ was applied: helm refuses to take its objects over (the README says
 # to delete them first, with the selector that leaves the CRDs alone).
 k apply -k "$root/daemonset" -l app.kubernetes.io/name=podvolume-agent >/dev/null
