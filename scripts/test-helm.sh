@@ -18,10 +18,11 @@
 #    `kubectl kustomize daemonset/` as sets, bound to the chart's ServiceAccount (test-helm.py rbac).
 # 6. On a real kube-apiserver (scripts/start-control-plane.sh, stopped on exit, also on failure):
 #    the non-default rendering accepted by a server-side dry run; `helm install` refused over
-#    daemonset/'s objects, then (those deleted, the CRDs kept) `helm install` into namespace velero, the DaemonSet, its pod labels, the ServiceAccount, what
-#    the ServiceAccount may do (a SubjectAccessReview for every permission of daemonset/rbac.yaml,
-#    `kubectl auth can-i --as` for the main ones and for some it must not have), `helm upgrade` with a changed value, `helm uninstall` removing
-#    every object.
+#    daemonset/'s objects, then (those deleted, the CRDs kept) `helm install` into namespace
+#    velero: the DaemonSet, its pod labels, the ServiceAccount, what the ServiceAccount may do (a
+#    SubjectAccessReview for every permission of daemonset/rbac.yaml, `kubectl auth can-i --as`
+#    for the main ones and for some it must not have), `helm upgrade` with a changed value,
+#    `helm uninstall` removing every object.
 #
 # Needs: go (builds helm and the control plane once per machine, cached), cargo (the agent binary,
 # for its --help), python3 with PyYAML. Measured on 2 shared cores once the tools are built:
