@@ -30,6 +30,8 @@ command -v tmux >/dev/null || need+=(tmux)
 # python3 + venv: moto's S3 server (scripts/install-moto.sh, PyPI). openssl: the tests' own CA
 # and server certificate for S3 over TLS.
 command -v python3 >/dev/null || need+=(python3 python3-venv)
+# PyYAML: scripts/test-helm.py reads what helm and kubectl render.
+python3 -c 'import yaml' 2>/dev/null || need+=(python3-yaml)
 command -v openssl >/dev/null || need+=(openssl)
 command -v curl >/dev/null || need+=(curl ca-certificates)
 command -v gpgv >/dev/null || need+=(gpgv)
@@ -45,15 +47,15 @@ fi
 scripts/install-moto.sh
 restic_new=$(scripts/fetch-restic-trixie.sh)
 
-# The real control plane and Velero server (Go builds of many minutes the first time on a
-# machine, nothing after): built in the background while the Rust build and the suites that need
-# no API server run; scripts/test-real-cluster.sh waits for them below. Not niced: on a cold
-# machine these builds are the longest path of the whole run (niced, they took 30 min beside the
-# Rust build and tests instead of about 15).
+# The real control plane, helm and the Velero server (Go builds of many minutes the first time on
+# a machine, nothing after; helm after the control plane, whose client-go build it reuses): built
+# in the background while the Rust build and the suites that need no API server run; pass 3 waits
+# for them below. Not niced: on a cold machine these builds are the longest path of the whole run
+# (niced, they took 30 min beside the Rust build and tests instead of about 15).
 mkdir -p target/test-tools
 tools_log=target/test-tools/real-cluster-tools.log
 # In a process group of its own, so that a failing run stops the whole build, go and compilers.
-setsid bash -c 'scripts/install-control-plane.sh && scripts/install-velero.sh 1.18.3' \
+setsid bash -c 'scripts/install-control-plane.sh && scripts/install-helm.sh && scripts/install-velero.sh 1.18.3' \
   </dev/null >"$tools_log" 2>&1 &
 tools_pid=$!
 trap 'kill -- "-$tools_pid" 2>/dev/null || true' EXIT
@@ -127,18 +129,22 @@ bounded 1200 env PODVOLUME_TEST_RESTIC="$restic_new" PODVOLUME_TEST_RESTIC_VERSI
   --skip without_the_ca --skip kopia
 run env PODVOLUME_TEST_RESTIC="$restic_new" PODVOLUME_TEST_RESTIC_VERSION=0.18.0 cargo test --test restic_engine --test cli --test s3_cli -- --show-output restic_under_test
 
-# Pass 3: the real kube-apiserver and Velero server (scripts/test-real-cluster.sh): the whole
+# Pass 3: the Helm chart on the real kube-apiserver (scripts/test-helm.sh), then the real
+# kube-apiserver and Velero server (scripts/test-real-cluster.sh): the whole
 # end-to-end suite as the agent's own ServiceAccount with each Velero's CRDs, the kopia e2e cases
 # with every pinned kopia, the restic e2e cases with 0.18, and the real Velero server driving the
 # agent.
-echo "== pass 3: waiting for the control plane and Velero builds (log: $tools_log) =="
+echo "== pass 3: waiting for the control plane, helm and Velero builds (log: $tools_log) =="
 if ! wait "$tools_pid"; then
-  echo "test.sh: building the control plane or Velero failed:" >&2
+  echo "test.sh: building the control plane, helm or Velero failed:" >&2
   tail -n 40 "$tools_log" >&2
   exit 1
 fi
 trap - EXIT
-grep -E 'built in|building' "$tools_log" || echo "(control plane and Velero were in the tools cache)"
+grep -E 'built in|building' "$tools_log" || echo "(control plane, helm and Velero were in the tools cache)"
+# The Helm chart: lint, template, RBAC against daemonset/'s, install on a real kube-apiserver.
+echo "== the Helm chart (scripts/test-helm.sh) =="
+bounded 600 scripts/test-helm.sh
 kopia_others=()
 for version in "${!kopia_at[@]}"; do
   [ "$version" = "$kopia_main" ] || kopia_others+=("$version=${kopia_at[$version]}")
