@@ -12,12 +12,12 @@
 #    and RBAC (tests/e2e/identity.rs), with the CRDs each Velero installs:
 #      a. Velero <= 1.16's PodVolumeBackup/Restore CRDs (../shared/reference/velero-crds/v1.15/,
 #         four phases) over Velero 1.18.3's others: the `velero_116` cases;
-#      b. then Velero 1.18.3's own (`velero install --crds-only`, applied over the old ones as
+#      b. this project's own CRDs (daemonset/crds.yaml, with a status subresource) applied over
+#         them: the `status_subresource` case;
+#      c. then Velero 1.18.3's own (`velero install --crds-only`, applied over the old ones as
 #         Velero's upgrade instructions do): every case, the API fault cases among them (a
 #         fault-injecting proxy between the agent and this server, tests/common/fault_proxy.rs);
-#         only the_assertions_follow_the_crds_the_api_server_serves skips itself (it runs on
-#         the stand-in, in scripts/test.sh's pass 1);
-#      c. the kopia cases again with each kopia of PODVOLUME_KOPIA_OTHERS ("<version>=<binary>
+#      d. the kopia cases again with each kopia of PODVOLUME_KOPIA_OTHERS ("<version>=<binary>
 #         ..."), the restic cases with PODVOLUME_RESTIC_NEW (restic 0.18), as scripts/test.sh
 #         gives them.
 # 3. scripts/velero-smoke.sh: the real Velero 1.18.3 server drives the agent (backup, restore,
@@ -73,6 +73,15 @@ k apply -f "$crds_115/velero.io_podvolumebackups.yaml" -f "$crds_115/velero.io_p
 k wait --for condition=established --timeout=60s crd/podvolumebackups.velero.io crd/podvolumerestores.velero.io >/dev/null
 echo "== e2e on the real API server with Velero 1.15's PodVolumeBackup/Restore CRDs: the velero_116 cases =="
 timeout --kill-after=30 1200 cargo test --test e2e -- velero_116
+
+# This project's own CRDs (daemonset/crds.yaml, for clusters without Velero's: a status
+# subresource), applied over the same objects: the agent and the harness follow what is served.
+k apply -f daemonset/crds.yaml >/dev/null
+k wait --for condition=established --timeout=60s crd/podvolumebackups.velero.io crd/podvolumerestores.velero.io >/dev/null
+k get --raw /apis/velero.io/v1 | grep -q '"podvolumebackups/status"' \
+  || { say "daemonset/crds.yaml applied, but podvolumebackups/status is not served"; exit 1; }
+echo "== e2e on the real API server with daemonset/crds.yaml (status subresource) =="
+timeout --kill-after=30 600 cargo test --test e2e -- status_subresource
 
 k apply -f "$cp_dir/velero-$velero_version-crds.yaml" >/dev/null
 k wait --for condition=established --timeout=60s crd/podvolumebackups.velero.io crd/podvolumerestores.velero.io >/dev/null

@@ -88,20 +88,16 @@ bounded() {
 }
 
 # Every test target but the end-to-end suite, which runs on the real API server below (its fault
-# cases through a fault-injecting proxy), and on the stand-in only for the case that needs it to
-# serve a CRD set the test chooses.
+# cases through a fault-injecting proxy).
 not_e2e=(--lib --bins --test cli --test kopia_engine --test kopia_parser --test manifests
   --test opsapi --test plugin --test restic_engine --test restic_parser --test s3_cli
   --test volume_path)
-stand_in_only=(the_assertions_follow_the_crds_the_api_server_serves)
 
 # Pass 1: every test but the end-to-end suite, restic from PATH.
 echo "== pass 1: every test with $(restic version) ($(command -v restic)) and kopia $("$PODVOLUME_TEST_KOPIA" --version) =="
 bounded 2400 cargo test --workspace --no-fail-fast --exclude podvolume-testbed "${not_e2e[@]}"
 bounded 600 cargo test --doc
 bounded 600 cargo test -p podvolume-testbed
-echo "== the end-to-end case that needs the API stand-in (every other e2e case runs on the real API server below) =="
-bounded 1200 cargo test --test e2e -- --exact "${stand_in_only[@]}"
 run cargo test --test restic_engine --test cli --test s3_cli -- --show-output restic_under_test
 run cargo test --test kopia_engine --test kopia_parser --test s3_cli --test cli -- --show-output kopia_under_test
 

@@ -1,6 +1,6 @@
-//! End-to-end harness: the real agent binary, talking HTTP to an API server (the stand-in, or a
-//! real cluster given by `PODVOLUME_E2E_KUBECONFIG`), with real restic on real files laid out
-//! like the kubelet's pods directory.
+//! End-to-end harness: the real agent binary, talking to a real Kubernetes API server given by
+//! `PODVOLUME_E2E_KUBECONFIG` (scripts/test-real-cluster.sh starts one), with real restic and
+//! kopia on real files laid out like the kubelet's pods directory.
 #![allow(dead_code)]
 
 use std::collections::BTreeMap;
@@ -17,7 +17,6 @@ use kube::runtime::watcher;
 use kube::{Api, Client, Resource, ResourceExt};
 use podvolume_agent::agent::status::VolumeObject;
 use podvolume_agent::crd::{Phase, PodVolumeBackup, PodVolumeRestore};
-use podvolume_testbed::TestApiServer;
 use serde_json::json;
 
 #[allow(unused_imports)]
@@ -96,21 +95,15 @@ impl RestoreRef {
     }
 }
 
-pub enum Backend {
-    StandIn(TestApiServer),
-    Real(PathBuf),
-}
-
 pub struct Env {
-    pub backend: Backend,
     /// The flavour the API server serves, found by discovery (what a test asserts), which on a
     /// real cluster may differ from the one the test asked for.
     pub flavour: Flavour,
     pub client: Client,
     /// The tests' own identity (admin on a real cluster).
     pub kubeconfig: PathBuf,
-    /// The agent's: on a real cluster the ServiceAccount and RBAC of `daemonset/` (see
-    /// `identity.rs`); on the stand-in, which does no authorisation, the same as `kubeconfig`.
+    /// The agent's: the ServiceAccount and RBAC of `daemonset/` (see `identity.rs`), or a fault
+    /// proxy's kubeconfig with those credentials (`fault_proxy`).
     pub agent_kubeconfig: PathBuf,
     /// Velero's namespace: where the PodVolumeBackups/Restores live.
     pub ns: String,
@@ -284,27 +277,18 @@ fn unique(prefix: &str) -> String {
 }
 
 impl Env {
-    /// A test environment; on the stand-in, serving the CRDs of `flavour`. On a real cluster the
-    /// CRDs it has are kept (ours installed when it has none) and `Env::flavour` says which.
-    pub async fn new(flavour: Flavour) -> Env {
-        Self::serving(flavour, flavour).await
-    }
-
-    /// As `new(requested)`, but the stand-in serves the CRDs of `served`: a real cluster that has
-    /// the other set installed, for testing that the tests adapt to what is served.
-    pub async fn serving(requested: Flavour, served: Flavour) -> Env {
+    /// A test environment on the cluster of `PODVOLUME_E2E_KUBECONFIG`. The cluster keeps the
+    /// CRDs it has (ours installed when it has none) and `Env::flavour` says which it serves:
+    /// a test asking for another flavour asserts the served one's behaviour.
+    pub async fn new(requested: Flavour) -> Env {
         let tmp = tempfile::Builder::new()
             .prefix("pva-e2e-")
             .tempdir()
             .unwrap();
-        let (backend, kubeconfig) = match std::env::var_os("PODVOLUME_E2E_KUBECONFIG") {
-            Some(k) => (Backend::Real(PathBuf::from(&k)), PathBuf::from(k)),
-            None => {
-                let server = TestApiServer::start().await.unwrap();
-                let kc = server.kubeconfig_path().to_path_buf();
-                (Backend::StandIn(server), kc)
-            }
-        };
+        let kubeconfig = PathBuf::from(std::env::var_os("PODVOLUME_E2E_KUBECONFIG").expect(
+            "the end-to-end suite needs a Kubernetes API server: set PODVOLUME_E2E_KUBECONFIG to \
+             an admin kubeconfig, or run scripts/test-real-cluster.sh (it starts one)",
+        ));
         let client = {
             let kc = kube::config::Kubeconfig::read_from(&kubeconfig).unwrap();
             let cfg = kube::Config::from_custom_kubeconfig(kc, &Default::default())
@@ -312,25 +296,7 @@ impl Env {
                 .unwrap();
             Client::try_from(cfg).unwrap()
         };
-        match (&backend, served) {
-            (Backend::StandIn(s), Flavour::Velero) => s.install_velero_crds().unwrap(),
-            (Backend::StandIn(s), Flavour::Velero116) => s.install_velero_116_crds().unwrap(),
-            (Backend::StandIn(s), Flavour::Ours) => {
-                s.apply_crd_yaml(&podvolume_agent::crd::crds_yaml())
-                    .unwrap();
-            }
-            // A real cluster keeps whatever CRDs it has (Velero's or ours); install ours when
-            // neither is there.
-            (Backend::Real(_), _) => ensure_crds(&client).await,
-        }
-        // Every PVB/PVR names a BackupStorageLocation, which the agent reads.
-        if let Backend::StandIn(s) = &backend {
-            s.install_storage_location_crd().unwrap();
-            s.apply_crd_file(
-                podvolume_testbed::velero_crds_dir().join("velero.io_backuprepositories.yaml"),
-            )
-            .unwrap();
-        }
+        ensure_crds(&client).await;
         let flavour = served_flavour(&client).await;
         if flavour != requested {
             eprintln!(
@@ -344,13 +310,9 @@ impl Env {
             let obj: Namespace = serde_json::from_value(json!({"metadata": {"name": n}})).unwrap();
             let _ = namespaces.create(&PostParams::default(), &obj).await;
         }
-        let agent_kubeconfig = match &backend {
-            Backend::StandIn(_) => kubeconfig.clone(),
-            Backend::Real(_) => {
-                ensure_nodes(&client).await;
-                identity::node_agent_kubeconfig(&client, &kubeconfig, &ns, tmp.path()).await
-            }
-        };
+        ensure_nodes(&client).await;
+        let agent_kubeconfig =
+            identity::node_agent_kubeconfig(&client, &kubeconfig, &ns, tmp.path()).await;
         let pods_dir = tmp.path().join("pods");
         std::fs::create_dir_all(&pods_dir).unwrap();
         let password_file = tmp.path().join("repo-password");
@@ -367,7 +329,6 @@ impl Env {
         .await;
         Env {
             repo: tmp.path().join("repo"),
-            backend,
             flavour,
             client,
             kubeconfig,
@@ -383,7 +344,7 @@ impl Env {
     }
 
     /// Puts a fault-injecting proxy between the agents this test starts from now on and the API
-    /// server (real or stand-in): the agent's kubeconfig then names the proxy, with the agent's
+    /// server: the agent's kubeconfig then names the proxy, with the agent's
     /// own credentials. The test's own client keeps going to the server directly.
     pub async fn fault_proxy(&mut self) -> FaultProxy {
         let proxy = FaultProxy::start(&self.agent_kubeconfig, self.tmp.path())
@@ -391,13 +352,6 @@ impl Env {
             .unwrap_or_else(|e| panic!("starting the fault proxy: {e}"));
         self.agent_kubeconfig = proxy.kubeconfig().to_path_buf();
         proxy
-    }
-
-    pub fn standin(&self) -> Option<&TestApiServer> {
-        match &self.backend {
-            Backend::StandIn(s) => Some(s),
-            Backend::Real(_) => None,
-        }
     }
 
     pub fn pvbs(&self) -> Api<PodVolumeBackup> {
@@ -512,17 +466,10 @@ impl Env {
             .unwrap()
     }
 
-    /// The Velero Restore a test's PodVolumeRestores belong to. On a real cluster it is a real
-    /// Restore object: Velero sets it as each PVR's owner, and the garbage collector deletes a
-    /// PVR whose owner does not exist. The stand-in has no Restore kind (and no collector): there
-    /// the UID is made up. The agent names the done file after this UID.
+    /// The Velero Restore a test's PodVolumeRestores belong to, a real Restore object: Velero
+    /// sets it as each PVR's owner, and the garbage collector deletes a PVR whose owner does not
+    /// exist. The agent names the done file after its UID.
     pub async fn create_restore(&self, name: &str) -> RestoreRef {
-        if self.standin().is_some() {
-            return RestoreRef {
-                name: name.to_string(),
-                uid: format!("{name}-uid"),
-            };
-        }
         use kube::api::{ApiResource, DynamicObject, GroupVersionKind};
         let gvk = GroupVersionKind::gvk("velero.io", "v1", "Restore");
         let api: Api<DynamicObject> =
@@ -857,15 +804,13 @@ impl Env {
         p
     }
 
-    /// Cleans up a real cluster's namespaces (the stand-in just goes away).
+    /// Deletes the test's namespaces (finalizers dropped first, so nothing is left waiting).
     pub async fn cleanup(&self) {
-        if let Backend::Real(_) = self.backend {
-            drop_finalizers(self.pvbs()).await;
-            drop_finalizers(self.pvrs()).await;
-            let namespaces: Api<Namespace> = Api::all(self.client.clone());
-            for n in [&self.ns, &self.app_ns] {
-                let _ = namespaces.delete(n, &DeleteParams::default()).await;
-            }
+        drop_finalizers(self.pvbs()).await;
+        drop_finalizers(self.pvrs()).await;
+        let namespaces: Api<Namespace> = Api::all(self.client.clone());
+        for n in [&self.ns, &self.app_ns] {
+            let _ = namespaces.delete(n, &DeleteParams::default()).await;
         }
     }
 }
