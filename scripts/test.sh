@@ -34,6 +34,9 @@ command -v python3 >/dev/null || need+=(python3 python3-venv)
 python3 -c 'import yaml' 2>/dev/null || need+=(python3-yaml)
 command -v openssl >/dev/null || need+=(openssl)
 command -v curl >/dev/null || need+=(curl ca-certificates)
+# The image recipe without a daemon (scripts/build-image.sh --oci).
+command -v mmdebstrap >/dev/null || need+=(mmdebstrap)
+command -v umoci >/dev/null || need+=(umoci)
 command -v gpgv >/dev/null || need+=(gpgv)
 command -v xz >/dev/null || need+=(xz-utils)
 [ -f /usr/share/keyrings/debian-archive-keyring.gpg ] || need+=(debian-archive-keyring)
@@ -58,7 +61,11 @@ tools_log=target/test-tools/real-cluster-tools.log
 setsid bash -c 'scripts/install-control-plane.sh && scripts/install-helm.sh && scripts/install-velero.sh 1.18.3' \
   </dev/null >"$tools_log" 2>&1 &
 tools_pid=$!
-trap 'kill -- "-$tools_pid" 2>/dev/null || true' EXIT
+# The image's Debian root filesystem (mmdebstrap: mostly downloading), beside them.
+image_log=target/test-tools/image-base.log
+setsid scripts/build-image.sh --base-only target/test-tools/image-base.tar </dev/null >"$image_log" 2>&1 &
+image_pid=$!
+trap 'kill -- "-$tools_pid" "-$image_pid" 2>/dev/null || true' EXIT
 
 # Lints (CI runs them through this script): while the tools build in the background.
 echo "== lints: cargo clippy --workspace --all-targets -- -D warnings =="
@@ -136,8 +143,18 @@ if ! wait "$tools_pid"; then
   tail -n 40 "$tools_log" >&2
   exit 1
 fi
+if ! wait "$image_pid"; then
+  echo "test.sh: the image's root filesystem (scripts/build-image.sh --base-only) failed:" >&2
+  tail -n 40 "$image_log" >&2
+  exit 1
+fi
 trap - EXIT
 grep -E 'built in|building' "$tools_log" || echo "(control plane, helm and Velero were in the tools cache)"
+# The image recipe without a daemon: the OCI image assembled (the test build of the agent), its
+# entrypoint, restic and kopia run inside it.
+echo "== the image (scripts/build-image.sh --oci, no daemon) =="
+bounded 600 scripts/build-image.sh --oci target/test-tools/image --agent target/debug/podvolume-agent \
+  --base target/test-tools/image-base.tar --check
 # The Helm chart: lint, template, RBAC against daemonset/'s, install on a real kube-apiserver.
 echo "== the Helm chart (scripts/test-helm.sh) =="
 bounded 600 scripts/test-helm.sh
