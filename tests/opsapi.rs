@@ -282,7 +282,11 @@ async fn reads_authentication_authorization_and_errors() {
     assert!(items.iter().any(|i| i["id"] == bad_uid.as_str()));
 
     // 200: progress by UID and by name, both forms; Velero's field names.
-    let by_uid = get(&format!("/v1/operations/{uid}"), Some(reader.token.as_str())).await;
+    let by_uid = get(
+        &format!("/v1/operations/{uid}"),
+        Some(reader.token.as_str()),
+    )
+    .await;
     assert_eq!(by_uid.0, 200, "{}", by_uid.2);
     let p = json(&by_uid.2);
     for f in [
@@ -318,7 +322,11 @@ async fn reads_authentication_authorization_and_errors() {
     assert_eq!(json(&by_segments.2), p);
 
     // A failed operation: 200, the error is the operation's.
-    let (code, _, body) = get(&format!("/v1/operations/{bad_uid}"), Some(reader.token.as_str())).await;
+    let (code, _, body) = get(
+        &format!("/v1/operations/{bad_uid}"),
+        Some(reader.token.as_str()),
+    )
+    .await;
     assert_eq!(code, 200, "{body}");
     let f = json(&body);
     assert_eq!(f["completed"], true);
@@ -358,7 +366,11 @@ async fn reads_authentication_authorization_and_errors() {
         let (code, _, body) = get(&p, Some(pvb1_only.token.as_str())).await;
         assert_eq!(code, 200, "pvb-1-only may get {p}: {body}");
     }
-    let (code, _, body) = get(&format!("/v1/operations/{bad_uid}"), Some(pvb1_only.token.as_str())).await;
+    let (code, _, body) = get(
+        &format!("/v1/operations/{bad_uid}"),
+        Some(pvb1_only.token.as_str()),
+    )
+    .await;
     assert_eq!(code, 403, "pvb-1-only may not get pvb-bad: {body}");
     // A cancel asks for update (pvb-1-only has get; admin has update and no patch): 200 for a
     // finished operation.
@@ -373,7 +385,11 @@ async fn reads_authentication_authorization_and_errors() {
     assert_eq!(code, 403, "get is not list: {body}");
     let (code, _, body) = get("/v1/operations", Some(restores_lister.token.as_str())).await;
     assert_eq!(code, 200, "may list restores: {body}");
-    assert_eq!(json(&body)["items"], json!([]), "no backups for a restores lister");
+    assert_eq!(
+        json(&body)["items"],
+        json!([]),
+        "no backups for a restores lister"
+    );
     // The reader's grant is to its group only: its 200s above came through the groups the
     // TokenReview gave.
     assert!(reader.namespace != env.ns && admin.namespace == env.ns);
@@ -411,7 +427,10 @@ async fn reads_authentication_authorization_and_errors() {
         BOGUS,
         "e2e password",
     ] {
-        assert!(!logs.contains(secret), "a token or password in the agent's logs");
+        assert!(
+            !logs.contains(secret),
+            "a token or password in the agent's logs"
+        );
         for a in &answers {
             assert!(!a.contains(secret), "a token or password in an answer: {a}");
         }
@@ -664,7 +683,13 @@ async fn health_while_the_api_server_is_down() {
     assert_eq!(agent.http_get("/livez").await.unwrap().0, 200);
     assert_eq!(agent.http_get("/readyz").await.unwrap().0, 503);
     assert_eq!(agent.http_get("/metrics").await.unwrap().0, 200);
-    let (code, _, body) = call(agent.port, "GET", "/v1/operations", Some(admin.token.as_str())).await;
+    let (code, _, body) = call(
+        agent.port,
+        "GET",
+        "/v1/operations",
+        Some(admin.token.as_str()),
+    )
+    .await;
     assert_eq!(code, 503, "{body}");
     error_of(503, &body);
     proxy.set_down(false);

@@ -232,9 +232,5 @@ fn write_kubeconfig(admin_kubeconfig: &Path, caller: &Caller) {
     .unwrap();
     // It carries a bearer token: readable by its owner only.
     use std::os::unix::fs::PermissionsExt;
-    std::fs::set_permissions(
-        &caller.kubeconfig,
-        std::fs::Permissions::from_mode(0o600),
-    )
-    .unwrap();
+    std::fs::set_permissions(&caller.kubeconfig, std::fs::Permissions::from_mode(0o600)).unwrap();
 }
