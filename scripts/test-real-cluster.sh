@@ -20,6 +20,11 @@
 #      c. the kopia cases again with each kopia of PODVOLUME_KOPIA_OTHERS ("<version>=<binary>
 #         ..."), the restic cases with PODVOLUME_RESTIC_NEW (restic 0.18), as scripts/test.sh
 #         gives them.
+#    Then, on the same server, the operations API (tests/opsapi.rs: callers are ServiceAccounts
+#    of the test with their own RBAC, the server's TokenReview/SubjectAccessReview answer),
+#    kubectl-podvolume (tests/plugin.rs) and the PVC -> PV lookups (tests/volume_path.rs): with
+#    Velero 1.18.3's CRDs, then the plugin's `_our_crds` tests with the project's CRDs
+#    (daemonset/crds.yaml, status subresource) applied over them.
 # 3. scripts/velero-smoke.sh: the real Velero 1.18.3 server drives the agent (backup, restore,
 #    delete) on a control plane of its own.
 #
@@ -94,6 +99,15 @@ if [ -n "${PODVOLUME_RESTIC_NEW:-}" ]; then
     empty_volume restore_ incremental_backup_uses restic_under_test two_locations \
     missing_repository_is_created
 fi
+# The suites that need an API server but are not end to end. Velero 1.18.3's CRDs are installed
+# again after the e2e cases: every test but the plugin's that need the project's CRDs.
+echo "== operations API, kubectl-podvolume and volume paths on the real API server with Velero $velero_version's CRDs =="
+timeout --kill-after=30 1200 cargo test --test opsapi --test plugin --test volume_path -- --skip _our_crds
+k apply -f "$root/daemonset/crds.yaml" >/dev/null
+k wait --for condition=established --timeout=60s crd/podvolumebackups.velero.io crd/podvolumerestores.velero.io >/dev/null
+subresources=$(k get crd podvolumebackups.velero.io -o jsonpath='{.spec.versions[0].subresources}')
+echo "== kubectl-podvolume on the real API server with the project's CRDs (daemonset/crds.yaml, subresources $subresources) =="
+timeout --kill-after=30 1200 cargo test --test plugin -- _our_crds
 CONTROL_PLANE_BIN=$cp_bin scripts/start-control-plane.sh --stop "$cp_dir" >&2
 
 echo "== the real Velero $velero_version server as the agent's client (scripts/velero-smoke.sh) =="
