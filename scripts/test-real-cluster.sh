@@ -12,14 +12,18 @@
 #    and RBAC (tests/e2e/identity.rs), with the CRDs each Velero installs:
 #      a. Velero <= 1.16's PodVolumeBackup/Restore CRDs (../shared/reference/velero-crds/v1.15/,
 #         four phases) over Velero 1.18.3's others: the `velero_116` cases;
-#      b. this project's own CRDs (daemonset/crds.yaml, with a status subresource) applied over
-#         them: the `status_subresource` case;
-#      c. then Velero 1.18.3's own (`velero install --crds-only`, applied over the old ones as
+#      b. then Velero 1.18.3's own (`velero install --crds-only`, applied over the old ones as
 #         Velero's upgrade instructions do): every case, the API fault cases among them (a
 #         fault-injecting proxy between the agent and this server, tests/common/fault_proxy.rs);
-#      d. the kopia cases again with each kopia of PODVOLUME_KOPIA_OTHERS ("<version>=<binary>
+#      c. the kopia cases again with each kopia of PODVOLUME_KOPIA_OTHERS ("<version>=<binary>
 #         ..."), the restic cases with PODVOLUME_RESTIC_NEW (restic 0.18), as scripts/test.sh
 #         gives them.
+#    Then, on the same server, the operations API (tests/opsapi.rs: callers are ServiceAccounts
+#    of the test with their own RBAC, the server's TokenReview/SubjectAccessReview answer),
+#    kubectl-podvolume (tests/plugin.rs) and the PVC -> PV lookups (tests/volume_path.rs): with
+#    Velero 1.18.3's CRDs, then the plugin's `_our_crds` tests and the e2e `status_subresource`
+#    case with the project's CRDs
+#    (daemonset/crds.yaml, status subresource) applied over them.
 # 3. scripts/velero-smoke.sh: the real Velero 1.18.3 server drives the agent (backup, restore,
 #    delete) on a control plane of its own.
 #
@@ -74,15 +78,6 @@ k wait --for condition=established --timeout=60s crd/podvolumebackups.velero.io 
 echo "== e2e on the real API server with Velero 1.15's PodVolumeBackup/Restore CRDs: the velero_116 cases =="
 timeout --kill-after=30 1200 cargo test --test e2e -- velero_116
 
-# This project's own CRDs (daemonset/crds.yaml, for clusters without Velero's: a status
-# subresource), applied over the same objects: the agent and the harness follow what is served.
-k apply -f daemonset/crds.yaml >/dev/null
-k wait --for condition=established --timeout=60s crd/podvolumebackups.velero.io crd/podvolumerestores.velero.io >/dev/null
-k get --raw /apis/velero.io/v1 | grep -q '"podvolumebackups/status"' \
-  || { say "daemonset/crds.yaml applied, but podvolumebackups/status is not served"; exit 1; }
-echo "== e2e on the real API server with daemonset/crds.yaml (status subresource) =="
-timeout --kill-after=30 600 cargo test --test e2e -- status_subresource
-
 k apply -f "$cp_dir/velero-$velero_version-crds.yaml" >/dev/null
 k wait --for condition=established --timeout=60s crd/podvolumebackups.velero.io crd/podvolumerestores.velero.io >/dev/null
 phases=$(k get crd podvolumebackups.velero.io -o jsonpath='{.spec.versions[0].schema.openAPIV3Schema.properties.status.properties.phase.enum}')
@@ -103,6 +98,17 @@ if [ -n "${PODVOLUME_RESTIC_NEW:-}" ]; then
     empty_volume restore_ incremental_backup_uses restic_under_test two_locations \
     missing_repository_is_created
 fi
+# The suites that need an API server but are not end to end. Velero 1.18.3's CRDs are installed
+# again after the e2e cases: every test but the plugin's that need the project's CRDs.
+echo "== operations API, kubectl-podvolume and volume paths on the real API server with Velero $velero_version's CRDs =="
+timeout --kill-after=30 1200 cargo test --test opsapi --test plugin --test volume_path -- --skip _our_crds
+k apply -f "$root/daemonset/crds.yaml" >/dev/null
+k wait --for condition=established --timeout=60s crd/podvolumebackups.velero.io crd/podvolumerestores.velero.io >/dev/null
+k get --raw /apis/velero.io/v1 | grep -q '"podvolumebackups/status"' \
+  || { say "daemonset/crds.yaml applied, but podvolumebackups/status is not served"; exit 1; }
+subresources=$(k get crd podvolumebackups.velero.io -o jsonpath='{.spec.versions[0].subresources}')
+echo "== the agent (e2e) and kubectl-podvolume on the real API server with the project's CRDs (daemonset/crds.yaml, subresources $subresources) =="
+timeout --kill-after=30 1200 cargo test --test plugin --test e2e -- _our_crds status_subresource
 CONTROL_PLANE_BIN=$cp_bin scripts/start-control-plane.sh --stop "$cp_dir" >&2
 
 echo "== the real Velero $velero_version server as the agent's client (scripts/velero-smoke.sh) =="

@@ -94,11 +94,11 @@ bounded() {
   return "$rc"
 }
 
-# Every test target but the end-to-end suite, which runs on the real API server below (its fault
-# cases through a fault-injecting proxy).
+# Every test target but those that need an API server: the end-to-end suite, the operations API
+# (opsapi), kubectl-podvolume (plugin) and the PVC -> PV lookups (volume_path) run on the real
+# API server in pass 3 (their fault cases through a fault-injecting proxy).
 not_e2e=(--lib --bins --test cli --test kopia_engine --test kopia_parser --test manifests
-  --test opsapi --test plugin --test restic_engine --test restic_parser --test s3_cli
-  --test volume_path)
+  --test restic_engine --test restic_parser --test s3_cli)
 
 # Pass 1: every test but the end-to-end suite, restic from PATH.
 echo "== pass 1: every test with $(restic version) ($(command -v restic)) and kopia $("$PODVOLUME_TEST_KOPIA" --version) =="
@@ -135,8 +135,8 @@ run env PODVOLUME_TEST_RESTIC="$restic_new" PODVOLUME_TEST_RESTIC_VERSION=0.18.0
 # Pass 3: the Helm chart on the real kube-apiserver (scripts/test-helm.sh), then the real
 # kube-apiserver and Velero server (scripts/test-real-cluster.sh): the whole
 # end-to-end suite as the agent's own ServiceAccount with each Velero's CRDs, the kopia e2e cases
-# with every pinned kopia, the restic e2e cases with 0.18, and the real Velero server driving the
-# agent.
+# with every pinned kopia, the restic e2e cases with 0.18, the operations API, kubectl-podvolume
+# and volume path tests, and the real Velero server driving the agent.
 echo "== pass 3: waiting for the control plane, helm and Velero builds (log: $tools_log) =="
 if ! wait "$tools_pid"; then
   echo "test.sh: building the control plane, helm or Velero failed:" >&2

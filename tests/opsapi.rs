@@ -1,29 +1,31 @@
-//! The operations API, health and metrics over HTTP against the real agent binary and the API
-//! stand-in (its TokenReview and SubjectAccessReview answer what each test configures), plus the
-//! client subcommands. Tests that need the stand-in's review controls say so and skip against a
-//! real cluster.
+//! The operations API, health and metrics over HTTP against the real agent binary, running as
+//! `daemonset/`'s ServiceAccount on a real kube-apiserver (`PODVOLUME_E2E_KUBECONFIG`, as
+//! `scripts/test-real-cluster.sh` runs this file), plus the client subcommands. Callers are
+//! ServiceAccounts of the test with TokenRequest tokens and Roles granting what each test says
+//! (or nothing): the server's own TokenReview and SubjectAccessReview answer the agent. The agent
+//! reaches the server through the fault-injecting proxy, which counts its reviews and makes the
+//! outage.
 
 // The harness is shared with tests/e2e (owned there); its lints are not this file's.
 #[allow(clippy::collapsible_if)]
 #[path = "e2e/harness.rs"]
 mod harness;
+#[path = "common/real_api_server.rs"]
+mod real_api_server;
 
 use std::path::PathBuf;
 use std::process::Command;
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use harness::*;
 use kube::ResourceExt;
 use podvolume_agent::crd::{Phase, PodVolumeBackup};
-use podvolume_testbed::{AccessRequest, RequestMatch, UserInfo};
-use serde_json::Value;
+use real_api_server::{BoundAs, Caller, caller, real_env};
+use serde_json::{Value, json};
 
 const LONG: Duration = Duration::from_secs(120);
 
-const ADMIN: &str = "admin-token-7f3a9c1e5b";
-const READER: &str = "reader-token-2d8e4f6a0c";
-const NOBODY: &str = "nobody-token-9b1c3e5d7f";
+/// A bearer token no server issued: its TokenReview says unauthenticated.
 const BOGUS: &str = "bogus-token-4a6c8e0b2d";
 
 /// One HTTP exchange with the agent: (status, headers, body).
@@ -63,25 +65,34 @@ fn error_of(code: u16, body: &str) -> String {
     v["message"].as_str().expect("message").to_string()
 }
 
-/// The test's users: admin may do anything, reader may get and list, nobody nothing. Every
-/// SubjectAccessReview is recorded.
-fn set_up_auth(env: &Env) -> Arc<Mutex<Vec<AccessRequest>>> {
-    let s = env.standin().expect("stand-in");
-    s.set_token(ADMIN, UserInfo::new("admin", &["ops"]));
-    s.set_token(READER, UserInfo::new("reader", &["viewers"]));
-    s.set_token(NOBODY, UserInfo::new("nobody", &[]));
-    let seen = Arc::new(Mutex::new(Vec::new()));
-    let log = seen.clone();
-    s.set_authorizer(move |r: &AccessRequest| {
-        log.lock().unwrap().push(r.clone());
-        r.group == "velero.io"
-            && match r.user.as_str() {
-                "admin" => true,
-                "reader" => r.verb == "get" || r.verb == "list",
-                _ => false,
-            }
-    });
-    seen
+/// RBAC rules on Velero's PodVolumeBackups and PodVolumeRestores.
+fn velero_rules(resources: &[&str], verbs: &[&str], names: &[&str]) -> Value {
+    let mut rule = json!({"apiGroups": ["velero.io"], "resources": resources, "verbs": verbs});
+    if !names.is_empty() {
+        rule["resourceNames"] = json!(names);
+    }
+    json!([rule])
+}
+
+const BOTH: &[&str] = &["podvolumebackups", "podvolumerestores"];
+
+/// May read and cancel: get, list and update (the verb the API asks for a cancel; not patch).
+async fn admin(env: &Env) -> Caller {
+    let rules = velero_rules(BOTH, &["get", "list", "update"], &[]);
+    caller(env, &env.ns, "ops-admin", rules, BoundAs::User).await
+}
+
+/// May get and list, granted to the group of its namespace's ServiceAccounts only (it lives in
+/// the application namespace): allowed only when the agent passes on the groups of the
+/// TokenReview.
+async fn reader(env: &Env, name: &str) -> Caller {
+    let rules = velero_rules(BOTH, &["get", "list"], &[]);
+    caller(env, &env.app_ns, name, rules, BoundAs::NamespaceGroup).await
+}
+
+/// Authenticated, allowed nothing.
+async fn nobody(env: &Env) -> Caller {
+    caller(env, &env.ns, "nobody", json!([]), BoundAs::Nothing).await
 }
 
 /// A restic wrapper limiting uploads, so a backup stays in progress long enough to act on.
@@ -149,16 +160,34 @@ fn phase(p: &PodVolumeBackup) -> Option<Phase> {
 /// Every endpoint and status code of the read side: 401 without and with a bad token, 403 from
 /// the SubjectAccessReview, 200 for list and progress (by UID, `namespace%2Fname` and
 /// `namespace/name`), 404 for an unknown id, 200 with `err` for a failed operation, 405 for a
-/// POST that is not a cancel; the reviews ask the right questions and are cached; health and
+/// POST that is not a cancel; the reviews ask the right questions (the server's RBAC answers
+/// them: a grant by object name, by verb, per resource, by group) and are cached; health and
 /// metrics need no token; no token and no repository password in logs or answers.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reads_authentication_authorization_and_errors() {
-    let env = Env::new(Flavour::Velero).await;
-    let Some(standin) = env.standin() else {
-        eprintln!("skipped: needs the stand-in's TokenReview/SubjectAccessReview controls");
-        return;
-    };
-    let reviews = set_up_auth(&env);
+    let mut env = real_env(Flavour::Velero).await;
+    let proxy = env.fault_proxy().await;
+    let admin = admin(&env).await;
+    let reader = reader(&env, "reader").await;
+    let nobody = nobody(&env).await;
+    // get on pvb-1 by name and nothing else: the review must carry the object's name.
+    let pvb1_only = caller(
+        &env,
+        &env.ns,
+        "pvb-1-only",
+        velero_rules(&["podvolumebackups"], &["get"], &["pvb-1"]),
+        BoundAs::User,
+    )
+    .await;
+    // list of restores and nothing else: the list asks about each resource on its own.
+    let restores_lister = caller(
+        &env,
+        &env.ns,
+        "restores-lister",
+        velero_rules(&["podvolumerestores"], &["list"], &[]),
+        BoundAs::User,
+    )
+    .await;
     let (pod, dirs) = env.create_pod("app-1", NODE, &["data"]).await;
     let total = Env::fill(&dirs["data"], &[("a.bin", 3 << 20), ("b/c.txt", 1234)]);
     let mut agent = env.start_agent(NODE, &[]);
@@ -220,23 +249,23 @@ async fn reads_authentication_authorization_and_errors() {
 
     // 403: authenticated, not allowed.
     for p in &paths {
-        let (code, _, body) = get(p, Some(NOBODY)).await;
+        let (code, _, body) = get(p, Some(nobody.token.as_str())).await;
         assert_eq!(code, 403, "{p}: {body}");
         let msg = error_of(403, &body);
-        assert!(msg.contains("nobody"), "{msg}");
+        assert!(msg.contains(&nobody.username()), "{msg}");
     }
     let (code, _, body) = call(
         port,
         "POST",
         &format!("/v1/operations/{uid}/cancel"),
-        Some(READER),
+        Some(reader.token.as_str()),
     )
     .await;
     assert_eq!(code, 403, "reader may not cancel: {body}");
     error_of(403, &body);
 
     // 200: list.
-    let (code, _, body) = get("/v1/operations", Some(READER)).await;
+    let (code, _, body) = get("/v1/operations", Some(reader.token.as_str())).await;
     assert_eq!(code, 200, "{body}");
     let list = json(&body);
     let items = list["items"].as_array().unwrap();
@@ -253,7 +282,11 @@ async fn reads_authentication_authorization_and_errors() {
     assert!(items.iter().any(|i| i["id"] == bad_uid.as_str()));
 
     // 200: progress by UID and by name, both forms; Velero's field names.
-    let by_uid = get(&format!("/v1/operations/{uid}"), Some(READER)).await;
+    let by_uid = get(
+        &format!("/v1/operations/{uid}"),
+        Some(reader.token.as_str()),
+    )
+    .await;
     assert_eq!(by_uid.0, 200, "{}", by_uid.2);
     let p = json(&by_uid.2);
     for f in [
@@ -273,15 +306,27 @@ async fn reads_authentication_authorization_and_errors() {
     assert_eq!(p["nCompleted"], total);
     assert_eq!(p["nTotal"], total);
     assert_eq!(p["operationUnits"], "bytes");
-    let by_encoded = get(&format!("/v1/operations/{}%2Fpvb-1", env.ns), Some(READER)).await;
+    let by_encoded = get(
+        &format!("/v1/operations/{}%2Fpvb-1", env.ns),
+        Some(reader.token.as_str()),
+    )
+    .await;
     assert_eq!(by_encoded.0, 200, "{}", by_encoded.2);
     assert_eq!(json(&by_encoded.2), p);
-    let by_segments = get(&format!("/v1/operations/{}/pvb-1", env.ns), Some(READER)).await;
+    let by_segments = get(
+        &format!("/v1/operations/{}/pvb-1", env.ns),
+        Some(reader.token.as_str()),
+    )
+    .await;
     assert_eq!(by_segments.0, 200, "{}", by_segments.2);
     assert_eq!(json(&by_segments.2), p);
 
     // A failed operation: 200, the error is the operation's.
-    let (code, _, body) = get(&format!("/v1/operations/{bad_uid}"), Some(READER)).await;
+    let (code, _, body) = get(
+        &format!("/v1/operations/{bad_uid}"),
+        Some(reader.token.as_str()),
+    )
+    .await;
     assert_eq!(code, 200, "{body}");
     let f = json(&body);
     assert_eq!(f["completed"], true);
@@ -293,71 +338,100 @@ async fn reads_authentication_authorization_and_errors() {
         format!("/v1/operations/{}%2Fno-such-pvb", env.ns),
         "/v1/operations/a/b/c".to_string(),
     ] {
-        let (code, _, body) = get(&p, Some(READER)).await;
+        let (code, _, body) = get(&p, Some(reader.token.as_str())).await;
         assert_eq!(code, 404, "{p}: {body}");
         error_of(404, &body);
     }
     // 405: POST to something that is not a cancel.
-    let (code, _, body) = call(port, "POST", &format!("/v1/operations/{uid}"), Some(ADMIN)).await;
+    let (code, _, body) = call(
+        port,
+        "POST",
+        &format!("/v1/operations/{uid}"),
+        Some(admin.token.as_str()),
+    )
+    .await;
     assert_eq!(code, 405, "{body}");
     error_of(405, &body);
     // The list itself is GET only.
-    let (code, _, _) = call(port, "POST", "/v1/operations", Some(ADMIN)).await;
+    let (code, _, _) = call(port, "POST", "/v1/operations", Some(admin.token.as_str())).await;
     assert_eq!(code, 405);
 
-    // The reviews asked the right questions.
-    let seen = reviews.lock().unwrap().clone();
-    let asked = |user: &str, verb: &str, resource: &str, name: &str| {
-        seen.iter().any(|r| {
-            r.user == user
-                && r.verb == verb
-                && r.group == "velero.io"
-                && r.resource == resource
-                && r.namespace == env.ns
-                && r.name == name
-        })
-    };
-    assert!(
-        asked("reader", "get", "podvolumebackups", "pvb-1"),
-        "{seen:#?}"
+    // The reviews asked the right questions: each caller's answers are what RBAC grants it.
+    // get names the object, in the agent's namespace (pvb-1-only may read pvb-1, by UID or by
+    // name, and not pvb-bad).
+    for p in [
+        format!("/v1/operations/{uid}"),
+        format!("/v1/operations/{}/pvb-1", env.ns),
+    ] {
+        let (code, _, body) = get(&p, Some(pvb1_only.token.as_str())).await;
+        assert_eq!(code, 200, "pvb-1-only may get {p}: {body}");
+    }
+    let (code, _, body) = get(
+        &format!("/v1/operations/{bad_uid}"),
+        Some(pvb1_only.token.as_str()),
+    )
+    .await;
+    assert_eq!(code, 403, "pvb-1-only may not get pvb-bad: {body}");
+    // A cancel asks for update (pvb-1-only has get; admin has update and no patch): 200 for a
+    // finished operation.
+    let cancel = format!("/v1/operations/{uid}/cancel");
+    let (code, _, body) = call(port, "POST", &cancel, Some(pvb1_only.token.as_str())).await;
+    assert_eq!(code, 403, "get is not enough to cancel: {body}");
+    let (code, _, body) = call(port, "POST", &cancel, Some(admin.token.as_str())).await;
+    assert_eq!(code, 200, "update is what a cancel needs: {body}");
+    assert_eq!(json(&body)["completed"], true, "{body}");
+    // The list asks list, per resource: backups are listed only to who may list them.
+    let (code, _, body) = get("/v1/operations", Some(pvb1_only.token.as_str())).await;
+    assert_eq!(code, 403, "get is not list: {body}");
+    let (code, _, body) = get("/v1/operations", Some(restores_lister.token.as_str())).await;
+    assert_eq!(code, 200, "may list restores: {body}");
+    assert_eq!(
+        json(&body)["items"],
+        json!([]),
+        "no backups for a restores lister"
     );
-    assert!(asked("reader", "list", "podvolumebackups", ""), "{seen:#?}");
-    assert!(
-        asked("reader", "list", "podvolumerestores", ""),
-        "{seen:#?}"
-    );
-    assert!(
-        asked("reader", "update", "podvolumebackups", "pvb-1"),
-        "{seen:#?}"
-    );
-    assert!(
-        seen.iter()
-            .any(|r| r.user == "reader" && r.groups == ["viewers"]),
-        "groups from the TokenReview are passed on"
-    );
-    // Cached: asking again costs no review.
+    // The reader's 200s above came through the groups the TokenReview gave: its Role is bound
+    // to the group of its namespace's ServiceAccounts only (see `reader`).
+
+    // Cached: asking again costs no review. One answer, then the same three times at once
+    // (reviews are kept for 10 s).
     let tr = RequestMatch::any().resource("tokenreviews");
     let sar = RequestMatch::any().resource("subjectaccessreviews");
-    let (tr0, sar0) = (standin.request_count(&tr), standin.request_count(&sar));
+    assert!(
+        proxy.request_count(&tr) > 0 && proxy.request_count(&sar) > 0,
+        "the agent's reviews go through the proxy: {:?}",
+        proxy.request_log()
+    );
+    let again = format!("/v1/operations/{uid}");
+    assert_eq!(get(&again, Some(reader.token.as_str())).await.0, 200);
+    let (tr0, sar0) = (proxy.request_count(&tr), proxy.request_count(&sar));
     for _ in 0..3 {
-        assert_eq!(
-            get(&format!("/v1/operations/{uid}"), Some(READER)).await.0,
-            200
-        );
+        assert_eq!(get(&again, Some(reader.token.as_str())).await.0, 200);
     }
-    assert_eq!(standin.request_count(&tr), tr0, "TokenReview not cached");
+    assert_eq!(proxy.request_count(&tr), tr0, "TokenReview not cached");
     assert_eq!(
-        standin.request_count(&sar),
+        proxy.request_count(&sar),
         sar0,
         "SubjectAccessReview not cached"
     );
 
     // Secrets: neither tokens nor the repository password anywhere.
     let logs = agent.logs();
-    for secret in [ADMIN, READER, NOBODY, BOGUS, "e2e password"] {
-        assert!(!logs.contains(secret), "{secret:?} in the agent's logs");
+    for secret in [
+        admin.token.as_str(),
+        reader.token.as_str(),
+        nobody.token.as_str(),
+        pvb1_only.token.as_str(),
+        restores_lister.token.as_str(),
+        BOGUS,
+        "e2e password",
+    ] {
+        assert!(
+            !logs.contains(secret),
+            "a token or password in the agent's logs"
+        );
         for a in &answers {
-            assert!(!a.contains(secret), "{secret:?} in an answer: {a}");
+            assert!(!a.contains(secret), "a token or password in an answer: {a}");
         }
     }
     env.cleanup().await;
@@ -368,12 +442,8 @@ async fn reads_authentication_authorization_and_errors() {
 /// once finished: 200 with the final progress. One cancel goes through `podvolume-agent cancel`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cancel_through_the_api_ends_canceled() {
-    let env = Env::new(Flavour::Velero).await;
-    if env.standin().is_none() {
-        eprintln!("skipped: needs the stand-in's TokenReview/SubjectAccessReview controls");
-        return;
-    }
-    set_up_auth(&env);
+    let env = real_env(Flavour::Velero).await;
+    let admin = admin(&env).await;
     let (pod, dirs) = env.create_pod("app-c", NODE, &["a", "b"]).await;
     Env::fill(&dirs["a"], &[("x.bin", 30 << 20)]);
     Env::fill(&dirs["b"], &[("y.bin", 1 << 20)]);
@@ -398,7 +468,7 @@ async fn cancel_through_the_api_ends_canceled() {
         port,
         "POST",
         &format!("/v1/operations/{}/cancel", queued.uid().unwrap()),
-        Some(ADMIN),
+        Some(admin.token.as_str()),
     )
     .await;
     assert_eq!(code, 202, "{body}");
@@ -416,7 +486,7 @@ async fn cancel_through_the_api_ends_canceled() {
 
     // Running: through the client subcommand, by name.
     let token_file = env.tmp.path().join("admin-token");
-    std::fs::write(&token_file, format!("{ADMIN}\n")).unwrap();
+    std::fs::write(&token_file, format!("{}\n", admin.token)).unwrap();
     let url = format!("http://127.0.0.1:{port}");
     let id = format!("{}/pvb-run", env.ns);
     let (code, out, err) = client(&[
@@ -429,7 +499,7 @@ async fn cancel_through_the_api_ends_canceled() {
     ]);
     assert_eq!(code, 0, "{out}\n{err}");
     assert!(out.contains("cancel requested"), "{out}");
-    assert!(!out.contains(ADMIN) && !err.contains(ADMIN));
+    assert!(!out.contains(&admin.token) && !err.contains(&admin.token));
     let r = env.wait_pvb("pvb-run", &[Phase::Canceled], LONG).await;
     assert_eq!(r.spec.cancel, Some(true));
     tokio::time::sleep(Duration::from_millis(300)).await;
@@ -452,7 +522,7 @@ async fn cancel_through_the_api_ends_canceled() {
             port,
             "POST",
             &format!("/v1/operations/{}/cancel", running.uid().unwrap()),
-            Some(ADMIN),
+            Some(admin.token.as_str()),
         )
         .await;
         assert_eq!(code, 200, "{body}");
@@ -464,7 +534,7 @@ async fn cancel_through_the_api_ends_canceled() {
         port,
         "POST",
         "/v1/operations/no-such-id/cancel",
-        Some(ADMIN),
+        Some(admin.token.as_str()),
     )
     .await;
     assert_eq!(code, 404, "{body}");
@@ -487,7 +557,7 @@ async fn cancel_through_the_api_ends_canceled() {
         Some(2.0),
         "{metrics}"
     );
-    assert!(!agent.logs().contains(ADMIN));
+    assert!(!agent.logs().contains(&admin.token));
     env.cleanup().await;
 }
 
@@ -495,7 +565,7 @@ async fn cancel_through_the_api_ends_canceled() {
 /// backup, the byte counter by the volume's size.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_after_an_e2e_backup() {
-    let env = Env::new(Flavour::Velero).await;
+    let env = real_env(Flavour::Velero).await;
     let (pod, dirs) = env.create_pod("app-m", NODE, &["data"]).await;
     let total = Env::fill(
         &dirs["data"],
@@ -593,16 +663,15 @@ async fn metrics_after_an_e2e_backup() {
     env.cleanup().await;
 }
 
-/// `/livez` answers while the API server is down, `/readyz` and the operations API do not (503);
-/// once it is back, the agent becomes ready.
+/// `/livez` answers while the API server is down (an outage of the proxy between the agent and
+/// the server from before the agent starts), `/readyz` and the operations API do not (503); once
+/// it is back, the agent becomes ready.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn health_while_the_api_server_is_down() {
-    let env = Env::new(Flavour::Velero).await;
-    let Some(standin) = env.standin() else {
-        eprintln!("skipped: needs the stand-in's outage control");
-        return;
-    };
-    standin.set_server_down(true);
+    let mut env = real_env(Flavour::Velero).await;
+    let admin = admin(&env).await;
+    let proxy = env.fault_proxy().await;
+    proxy.set_down(true);
     let mut agent = env.start_agent(NODE, &[]);
     let deadline = Instant::now() + LONG;
     while agent.http_get("/livez").await.is_none() {
@@ -613,10 +682,16 @@ async fn health_while_the_api_server_is_down() {
     assert_eq!(agent.http_get("/livez").await.unwrap().0, 200);
     assert_eq!(agent.http_get("/readyz").await.unwrap().0, 503);
     assert_eq!(agent.http_get("/metrics").await.unwrap().0, 200);
-    let (code, _, body) = call(agent.port, "GET", "/v1/operations", Some(ADMIN)).await;
+    let (code, _, body) = call(
+        agent.port,
+        "GET",
+        "/v1/operations",
+        Some(admin.token.as_str()),
+    )
+    .await;
     assert_eq!(code, 503, "{body}");
     error_of(503, &body);
-    standin.set_server_down(false);
+    proxy.set_down(false);
     agent.wait_ready(LONG).await;
     env.cleanup().await;
 }
@@ -625,7 +700,8 @@ async fn health_while_the_api_server_is_down() {
 /// on loopback it serves without tokens.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn api_auth_none_only_on_loopback() {
-    let env = Env::new(Flavour::Velero).await;
+    let mut env = real_env(Flavour::Velero).await;
+    let proxy = env.fault_proxy().await;
     let mut refused = env.start_agent(NODE, &["--api-auth=none", "--listen-address=0.0.0.0:0"]);
     let code = refused.wait(Duration::from_secs(30));
     assert_eq!(code, Some(2), "{}", refused.logs());
@@ -644,11 +720,16 @@ async fn api_auth_none_only_on_loopback() {
     assert_eq!(json(&body)["items"], serde_json::json!([]));
     let (code, _, body) = call(agent.port, "GET", "/v1/operations/nope", None).await;
     assert_eq!(code, 404, "{body}");
-    if let Some(s) = env.standin() {
+    assert!(
+        proxy.request_count(&RequestMatch::any()) > 0,
+        "the agent reaches the server through the proxy"
+    );
+    for review in ["tokenreviews", "subjectaccessreviews"] {
         assert_eq!(
-            s.request_count(&RequestMatch::any().resource("tokenreviews")),
+            proxy.request_count(&RequestMatch::any().resource(review)),
             0,
-            "no reviews with --api-auth=none"
+            "no {review} with --api-auth=none: {:?}",
+            proxy.request_log()
         );
     }
     env.cleanup().await;
@@ -658,20 +739,10 @@ async fn api_auth_none_only_on_loopback() {
 /// file or from the current kubeconfig context, clear errors (exit 1) for 401/403/404.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn client_subcommands() {
-    let env = Env::new(Flavour::Velero).await;
-    let Some(standin) = env.standin() else {
-        eprintln!("skipped: needs the stand-in's TokenReview controls");
-        return;
-    };
-    set_up_auth(&env);
-    // The kubeconfig's own token authenticates as the reader.
-    let kc: Value =
-        serde_norway::from_str(&std::fs::read_to_string(&env.kubeconfig).unwrap()).unwrap();
-    let kc_token = kc["users"][0]["user"]["token"]
-        .as_str()
-        .unwrap()
-        .to_string();
-    standin.set_token(&kc_token, UserInfo::new("reader", &["viewers"]));
+    let env = real_env(Flavour::Velero).await;
+    let reader_file = reader(&env, "reader").await;
+    // A second reader, whose token comes from its kubeconfig's current context.
+    let reader_kc = reader(&env, "kubeconfig-reader").await;
 
     let (pod, dirs) = env.create_pod("app-cl", NODE, &["data"]).await;
     let total = Env::fill(&dirs["data"], &[("a.bin", 2 << 20)]);
@@ -682,9 +753,9 @@ async fn client_subcommands() {
     let uid = pvb.uid().unwrap();
     let url = format!("http://127.0.0.1:{}", agent.port);
     let token_file = env.tmp.path().join("reader-token");
-    std::fs::write(&token_file, READER).unwrap();
+    std::fs::write(&token_file, &reader_file.token).unwrap();
     let tf = token_file.to_str().unwrap();
-    let kcp = env.kubeconfig.to_str().unwrap();
+    let kcp = reader_kc.kubeconfig.to_str().unwrap();
 
     // Table.
     let (code, out, err) = client(&["operations", "--url", &url, "--token-file", tf]);
@@ -745,7 +816,7 @@ async fn client_subcommands() {
     let (code, _, err) = client(&["operations", "--url", "http://127.0.0.1:1"]);
     assert_eq!(code, 1);
     assert!(err.contains("cannot connect"), "{err}");
-    for s in [READER, kc_token.as_str()] {
+    for s in [&reader_file.token, &reader_kc.token] {
         assert!(!agent.logs().contains(s));
     }
     env.cleanup().await;

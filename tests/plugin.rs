@@ -1,15 +1,22 @@
-//! `kubectl podvolume` (the `kubectl-podvolume` binary) against an API server: the stand-in by
-//! default, a real cluster with `PODVOLUME_E2E_KUBECONFIG`. Objects are written by the test (a
-//! backup progressing over time on several nodes, in both CRD flavours), or by the real agent with
-//! real restic. The live view runs in a real terminal (tmux). Figures that depend on the clock
-//! are checked for consistency (rate > 0, ETA = remaining / rate, rate within what the test's own
-//! clock allows), never against wall-clock durations.
+//! `kubectl podvolume` (the `kubectl-podvolume` binary) against a real kube-apiserver
+//! (`PODVOLUME_E2E_KUBECONFIG`; `scripts/test-real-cluster.sh` runs the `_our_crds` tests while
+//! `daemonset/crds.yaml` is installed, the others with Velero's CRDs). The plugin runs as a
+//! ServiceAccount of the test with a namespaced Role (PodVolumeBackups/Restores: get, list, watch,
+//! patch) and reaches the server through the fault-injecting proxy, whose request log shows what
+//! it sent. Objects are written by the test (a backup progressing over time on several nodes, in
+//! both CRD flavours), or by the real agent with real restic. The live view runs in a real
+//! terminal (tmux). Figures that depend on the clock are checked for consistency (rate > 0, ETA =
+//! remaining / rate, rate within what the test's own clock allows), never against wall-clock
+//! durations.
 
 // The harness is shared with tests/e2e (owned there); its lints are not this file's.
 #[allow(clippy::collapsible_if)]
 #[path = "e2e/harness.rs"]
 mod harness;
+#[path = "common/real_api_server.rs"]
+mod real_api_server;
 
+use std::ops::Deref;
 use std::path::Path;
 use std::process::Stdio;
 use std::time::{Duration, Instant, SystemTime};
@@ -20,16 +27,54 @@ use kube::api::{Patch, PatchParams, PostParams};
 use nix::sys::signal::Signal;
 use podvolume_agent::crd::{Phase, PodVolumeBackup};
 use podvolume_agent::text::format_bytes;
-use podvolume_testbed::RequestMatch;
+use real_api_server::{BoundAs, caller, real_env};
 use serde_json::{Value, json};
 use tokio::io::AsyncBufReadExt;
 
 const LONG: Duration = Duration::from_secs(120);
 const MB: u64 = 1_000_000;
 
-fn plugin(env: &Env) -> tokio::process::Command {
+/// The test's environment on the real API server, with the proxy the plugin's user goes
+/// through.
+struct PluginEnv {
+    env: Env,
+    proxy: FaultProxy,
+}
+
+impl Deref for PluginEnv {
+    type Target = Env;
+    fn deref(&self) -> &Env {
+        &self.env
+    }
+}
+
+impl PluginEnv {
+    /// What the API server must serve: `flavour`'s CRDs.
+    async fn new(flavour: Flavour) -> PluginEnv {
+        let env = real_env(flavour).await;
+        // What a person watching Velero's namespace needs, and no more: the plugin reads and
+        // cancels (patches spec.cancel) PodVolumeBackups and PodVolumeRestores there.
+        let rules = json!([{"apiGroups": ["velero.io"],
+            "resources": ["podvolumebackups", "podvolumerestores"],
+            "verbs": ["get", "list", "watch", "patch"]}]);
+        let user = caller(&env, &env.ns, "plugin-user", rules, BoundAs::User).await;
+        let dir = env.tmp.path().join("plugin");
+        std::fs::create_dir_all(&dir).unwrap();
+        let proxy = FaultProxy::start(&user.kubeconfig, &dir)
+            .await
+            .unwrap_or_else(|e| panic!("starting the fault proxy: {e}"));
+        PluginEnv { env, proxy }
+    }
+
+    /// The plugin's kubeconfig: its user, through the proxy.
+    fn kubeconfig(&self) -> &Path {
+        self.proxy.kubeconfig()
+    }
+}
+
+fn plugin(env: &PluginEnv) -> tokio::process::Command {
     let mut c = tokio::process::Command::new(env!("CARGO_BIN_EXE_kubectl-podvolume"));
-    c.arg(format!("--kubeconfig={}", env.kubeconfig.display()))
+    c.arg(format!("--kubeconfig={}", env.kubeconfig().display()))
         .args(["-n", &env.ns])
         .stdin(Stdio::null())
         .kill_on_drop(true);
@@ -37,7 +82,7 @@ fn plugin(env: &Env) -> tokio::process::Command {
 }
 
 /// Runs the plugin to its end; (exit code, stdout, stderr).
-async fn run(env: &Env, args: &[&str]) -> (i32, String, String) {
+async fn run(env: &PluginEnv, args: &[&str]) -> (i32, String, String) {
     let out = plugin(env).args(args).output().await.unwrap();
     (
         out.status.code().unwrap_or(-1),
@@ -47,7 +92,7 @@ async fn run(env: &Env, args: &[&str]) -> (i32, String, String) {
 }
 
 /// `backup NAME -o json`, with the test's clock read before and after.
-async fn json_of(env: &Env, backup: &str) -> (Value, SystemTime, SystemTime) {
+async fn json_of(env: &PluginEnv, backup: &str) -> (Value, SystemTime, SystemTime) {
     let before = SystemTime::now();
     let (code, out, err) = run(env, &["backup", backup, "-o", "json"]).await;
     let after = SystemTime::now();
@@ -134,7 +179,7 @@ fn counts(s: &Value) -> [u64; 7] {
 /// counts, bytes, "at least", rate and ETA at each step; a failed and a canceled volume counted
 /// as such; the `--watch -o json` stream measures a rate from the changes it saw.
 async fn backup_progressing_over_time(flavour: Flavour) {
-    let env = Env::new(flavour).await;
+    let env = PluginEnv::new(flavour).await;
     for (name, node) in [
         ("b1-p1", "node-1"),
         ("b1-p2", "node-2"),
@@ -392,7 +437,7 @@ async fn backup_progressing_over_time_our_crds() {
 /// untouched; a second call writes nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cancel_backup_cancels_only_its_unfinished_volumes() {
-    let env = Env::new(Flavour::Velero).await;
+    let env = PluginEnv::new(Flavour::Velero).await;
     let now = rfc3339(SystemTime::now());
     for (name, backup) in [
         ("b1-run", "b1"),
@@ -473,10 +518,12 @@ async fn cancel_backup_cancels_only_its_unfinished_volumes() {
         .iter()
         .map(|p| (p.name_any(), p.resource_version()))
         .collect();
+    // The first call's patches went through the proxy: the count below can see one.
     let patches = RequestMatch::any()
         .verb("patch")
         .resource("podvolumebackups");
-    let patches_before = env.standin().map(|s| s.request_count(&patches));
+    let patches_before = env.proxy.request_count(&patches);
+    assert_eq!(patches_before, 2, "{:?}", env.proxy.request_log());
     let (code, out, _) = run(&env, &["cancel", "backup", "b1"]).await;
     assert_eq!(code, 0);
     assert!(
@@ -497,9 +544,12 @@ async fn cancel_backup_cancels_only_its_unfinished_volumes() {
         .map(|p| (p.name_any(), p.resource_version()))
         .collect();
     assert_eq!(after, versions);
-    if let Some(s) = env.standin() {
-        assert_eq!(Some(s.request_count(&patches)), patches_before);
-    }
+    assert_eq!(
+        env.proxy.request_count(&patches),
+        patches_before,
+        "no PATCH sent: {:?}",
+        env.proxy.request_log()
+    );
     // A backup with no pod volume backups is an error, not silence.
     let (code, _, err) = run(&env, &["cancel", "backup", "nope"]).await;
     assert_eq!(code, 1);
@@ -510,13 +560,13 @@ async fn cancel_backup_cancels_only_its_unfinished_volumes() {
     env.cleanup().await;
 }
 
-/// Three volumes on two nodes backed up by two real agents with real restic: while it runs,
-/// `--once` shows the volume count, x of y bytes, a rate and an ETA, the same figures as
-/// `-o json` (restic is paused for the two reads so they see the same bytes); at the end the
-/// plugin's total is the data written.
+/// Three volumes on two nodes backed up by two real agents with real restic (our CRDs: status
+/// through the status subresource): while it runs, `--once` shows the volume count, x of y
+/// bytes, a rate and an ETA, the same figures as `-o json` (restic is paused for the two reads
+/// so they see the same bytes); at the end the plugin's total is the data written.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn backup_by_the_real_agent_seen_through_the_plugin() {
-    let env = Env::new(Flavour::Ours).await;
+async fn backup_by_the_real_agent_seen_through_the_plugin_our_crds() {
+    let env = PluginEnv::new(Flavour::Ours).await;
     let (pod_a, dirs_a) = env.create_pod("app-a", NODE, &["data", "logs"]).await;
     let (pod_b, dirs_b) = env.create_pod("app-b", OTHER_NODE, &["data"]).await;
     let mut size = Env::fill(&dirs_a["data"], &[("a.bin", 24 << 20), ("b.txt", 1000)]);
@@ -757,7 +807,7 @@ impl Drop for Tmux {
 /// move; Ctrl-C gives back the terminal as it was (main screen, cursor shown, same stty modes).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn live_view_in_a_real_terminal() {
-    let env = Env::new(Flavour::Velero).await;
+    let env = PluginEnv::new(Flavour::Velero).await;
     let started = rfc3339(SystemTime::now() - Duration::from_secs(30));
     create(&env, "b1-web", "b1", "node-1", "web").await;
     create(&env, "b1-db", "b1", "node-2", "db").await;
@@ -783,7 +833,7 @@ async fn live_view_in_a_real_terminal() {
     let command = format!(
         "{} --kubeconfig={} -n {} backup b1 --refresh=200ms",
         env!("CARGO_BIN_EXE_kubectl-podvolume"),
-        env.kubeconfig.display(),
+        env.kubeconfig().display(),
         env.ns
     );
     tmux.keys(&[&command, "Enter"]);

@@ -1,4 +1,14 @@
-//! Locating pod volumes in a kubelet-like pods directory, and the restore done-file handshake.
+//! Locating pod volumes in a kubelet-like pods directory, and the restore done-file handshake;
+//! PVC -> PV lookups against a real kube-apiserver (`PODVOLUME_E2E_KUBECONFIG`, as
+//! `scripts/test-real-cluster.sh` runs this file), as the agent's own ServiceAccount, through the
+//! fault-injecting proxy that counts the requests and gives the one 500.
+
+// The harness is shared with tests/e2e (owned there); its lints are not this file's.
+#[allow(clippy::collapsible_if)]
+#[path = "e2e/harness.rs"]
+mod harness;
+#[path = "common/real_api_server.rs"]
+mod real_api_server;
 
 use std::fs;
 use std::os::unix::fs::symlink;
@@ -303,173 +313,271 @@ fn done_file_refuses_symlinked_volume_path() {
     assert_outside_untouched(&l);
 }
 
-// ---- resolve(): PVC -> PV lookups against the in-process test API server ----
+// ---- resolve(): PVC -> PV lookups against the real API server ----
 
 mod resolve_api {
     use super::*;
-    use k8s_openapi::api::core::v1::Pod;
+    use crate::harness::{Env, FaultProxy, Flavour, RequestMatch};
+    use crate::real_api_server::{client_of, require_real_api_server};
+    use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Pod};
+    use kube::api::{DeleteParams, PostParams};
+    use kube::{Api, Client};
     use podvolume_agent::agent::volume::resolve;
-    use podvolume_testbed::{RequestMatch, TestApiServer};
     use serde_json::{Value, json};
 
-    fn pod(volumes: Value, uid: Option<&str>) -> Pod {
-        let mut metadata = json!({"name": "web-0", "namespace": "shop"});
-        if let Some(uid) = uid {
-            metadata["uid"] = json!(uid);
-        }
-        serde_json::from_value(json!({
-            "metadata": metadata,
-            "spec": {"containers": [{"name": "app"}], "volumes": volumes},
-        }))
-        .unwrap()
+    const CLAIM: &str = "data-web-0";
+
+    /// One test's objects: the pod's namespace is the environment's application namespace, the
+    /// PV a cluster-scoped name of its own (deleted at the end). `client` is the agent's
+    /// identity (`daemonset/`'s RBAC) through the proxy.
+    struct Cluster {
+        env: Env,
+        proxy: FaultProxy,
+        client: Client,
+        pv: String,
     }
 
-    fn claim_pod() -> Pod {
-        pod(
-            json!([{"name": "data", "persistentVolumeClaim": {"claimName": "data-web-0"}}]),
-            Some(UID),
-        )
-    }
-
-    fn put_pvc(server: &TestApiServer, volume_name: Option<&str>) {
-        let mut spec = json!({"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}}});
-        if let Some(name) = volume_name {
-            spec["volumeName"] = json!(name);
+    impl Cluster {
+        async fn new() -> Cluster {
+            require_real_api_server();
+            let mut env = Env::new(Flavour::Velero).await;
+            let proxy = env.fault_proxy().await;
+            let client = client_of(proxy.kubeconfig()).await;
+            let pv = format!("pv-{}", env.app_ns);
+            Cluster {
+                env,
+                proxy,
+                client,
+                pv,
+            }
         }
-        server
-            .put_json(json!({"apiVersion": "v1", "kind": "PersistentVolumeClaim",
-                "metadata": {"name": "data-web-0", "namespace": "shop"}, "spec": spec}))
+
+        fn pod(&self, volumes: Value, uid: Option<&str>) -> Pod {
+            let mut metadata = json!({"name": "web-0", "namespace": self.env.app_ns});
+            if let Some(uid) = uid {
+                metadata["uid"] = json!(uid);
+            }
+            serde_json::from_value(json!({
+                "metadata": metadata,
+                "spec": {"containers": [{"name": "app"}], "volumes": volumes},
+            }))
+            .unwrap()
+        }
+
+        fn claim_pod(&self) -> Pod {
+            self.pod(
+                json!([{"name": "data", "persistentVolumeClaim": {"claimName": CLAIM}}]),
+                Some(UID),
+            )
+        }
+
+        /// The claim, bound to `volume_name` when given. An unbound one names a storage class
+        /// nothing provides, so that the controller manager's binder leaves it unbound.
+        async fn put_pvc(&self, volume_name: Option<&str>) {
+            let mut spec = json!({"accessModes": ["ReadWriteOnce"],
+                                  "resources": {"requests": {"storage": "1Gi"}}});
+            match volume_name {
+                Some(name) => {
+                    spec["volumeName"] = json!(name);
+                    spec["storageClassName"] = json!("");
+                }
+                None => spec["storageClassName"] = json!("podvolume-test-unprovided"),
+            }
+            let pvc: PersistentVolumeClaim = serde_json::from_value(json!({
+                "metadata": {"name": CLAIM, "namespace": self.env.app_ns}, "spec": spec,
+            }))
             .unwrap();
-    }
-
-    fn put_pv(server: &TestApiServer, annotations: Value, source: Value) {
-        let mut spec = json!({"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteOnce"]});
-        for (k, v) in source.as_object().unwrap() {
-            spec[k] = v.clone();
+            Api::<PersistentVolumeClaim>::namespaced(self.env.client.clone(), &self.env.app_ns)
+                .create(&PostParams::default(), &pvc)
+                .await
+                .unwrap();
         }
-        server
-            .put_json(json!({"apiVersion": "v1", "kind": "PersistentVolume",
-                "metadata": {"name": "pvc-123", "annotations": annotations}, "spec": spec}))
+
+        /// The PV, reserved for the test's claim (`claimRef`) so no other claim binds it.
+        async fn put_pv(&self, annotations: Value, source: Value) {
+            let mut spec = json!({
+                "capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteOnce"],
+                "storageClassName": "",
+                "claimRef": {"namespace": self.env.app_ns, "name": CLAIM},
+            });
+            for (k, v) in source.as_object().unwrap() {
+                spec[k] = v.clone();
+            }
+            let pv: PersistentVolume = serde_json::from_value(json!({
+                "metadata": {"name": self.pv, "annotations": annotations}, "spec": spec,
+            }))
             .unwrap();
+            Api::<PersistentVolume>::all(self.env.client.clone())
+                .create(&PostParams::default(), &pv)
+                .await
+                .unwrap();
+        }
+
+        async fn cleanup(self) {
+            let pvs = Api::<PersistentVolume>::all(self.env.client.clone());
+            if pvs.get_opt(&self.pv).await.unwrap().is_some() {
+                pvs.delete(&self.pv, &DeleteParams::default())
+                    .await
+                    .unwrap();
+            }
+            self.env.cleanup().await;
+        }
     }
 
-    #[tokio::test]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn resolves_empty_dir_without_api_calls() {
+        let c = Cluster::new().await;
         let l = layout();
         let dir = mkdir(&plugin_dir(&l, "kubernetes.io~empty-dir").join("cache"));
-        let server = TestApiServer::start().await.unwrap();
-        let client = server.client().await;
-        let p = pod(json!([{"name": "cache", "emptyDir": {}}]), Some(UID));
-        let found = resolve(&client, &l.pods, &p, "cache").await.unwrap();
+        let p = c.pod(json!([{"name": "cache", "emptyDir": {}}]), Some(UID));
+        let found = resolve(&c.client, &l.pods, &p, "cache").await.unwrap();
         assert_eq!(found, fs::canonicalize(dir).unwrap());
-        assert_eq!(server.request_count(&RequestMatch::any()), 0);
+        assert_eq!(
+            c.proxy.request_count(&RequestMatch::any()),
+            0,
+            "{:?}",
+            c.proxy.request_log()
+        );
+        c.cleanup().await;
     }
 
-    #[tokio::test]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn resolves_claim_bound_to_csi_pv() {
+        let c = Cluster::new().await;
         let l = layout();
-        let dir = mkdir(&plugin_dir(&l, "kubernetes.io~csi").join("pvc-123/mount"));
-        let server = TestApiServer::start().await.unwrap();
-        put_pvc(&server, Some("pvc-123"));
-        put_pv(
-            &server,
+        let dir = mkdir(
+            &plugin_dir(&l, "kubernetes.io~csi")
+                .join(&c.pv)
+                .join("mount"),
+        );
+        c.put_pvc(Some(&c.pv)).await;
+        c.put_pv(
             json!({}),
             json!({"csi": {"driver": "ebs.csi.aws.com", "volumeHandle": "vol-1"}}),
-        );
-        let client = server.client().await;
-        let found = resolve(&client, &l.pods, &claim_pod(), "data")
+        )
+        .await;
+        let found = resolve(&c.client, &l.pods, &c.claim_pod(), "data")
             .await
             .unwrap();
         assert_eq!(found, fs::canonicalize(dir).unwrap());
+        // spec.csi says CSI: no CSIDriver lookup.
+        assert_eq!(
+            c.proxy
+                .request_count(&RequestMatch::any().resource("csidrivers")),
+            0
+        );
+        c.cleanup().await;
     }
 
-    #[tokio::test]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn resolves_claim_bound_to_nfs_pv() {
+        let c = Cluster::new().await;
         let l = layout();
-        let dir = mkdir(&plugin_dir(&l, "kubernetes.io~nfs").join("pvc-123"));
-        let server = TestApiServer::start().await.unwrap();
-        put_pvc(&server, Some("pvc-123"));
-        // An external, non-CSI provisioner: the CSIDriver list (unavailable here) decides; the
-        // lookup failing falls back to "not CSI".
-        put_pv(
-            &server,
+        let dir = mkdir(&plugin_dir(&l, "kubernetes.io~nfs").join(&c.pv));
+        c.put_pvc(Some(&c.pv)).await;
+        // An external, non-CSI provisioner: the cluster's CSIDriver list decides, and it names
+        // no such driver (this server has none).
+        c.put_pv(
             json!({"pv.kubernetes.io/provisioned-by": "cluster.local/nfs-subdir-external-provisioner"}),
             json!({"nfs": {"server": "nfs.example", "path": "/export"}}),
-        );
-        let client = server.client().await;
-        let found = resolve(&client, &l.pods, &claim_pod(), "data")
+        )
+        .await;
+        let found = resolve(&c.client, &l.pods, &c.claim_pod(), "data")
             .await
             .unwrap();
         assert_eq!(found, fs::canonicalize(dir).unwrap());
+        // The list was asked for and answered (the agent's RBAC allows it), not a fallback.
+        let lists: Vec<u16> = c
+            .proxy
+            .request_log()
+            .iter()
+            .filter(|r| r.info.resource.as_deref() == Some("csidrivers"))
+            .map(|r| r.status)
+            .collect();
+        assert_eq!(lists, [200], "{:?}", c.proxy.request_log());
+        c.cleanup().await;
     }
 
-    #[tokio::test]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn missing_claim() {
+        let c = Cluster::new().await;
         let l = layout();
-        let server = TestApiServer::start().await.unwrap();
-        let client = server.client().await;
-        let err = resolve(&client, &l.pods, &claim_pod(), "data")
+        let err = resolve(&c.client, &l.pods, &c.claim_pod(), "data")
             .await
             .unwrap_err();
         assert!(matches!(err, VolumeError::ClaimNotFound { .. }), "{err:?}");
         assert_eq!(
             err.to_string(),
-            "persistentvolumeclaim shop/data-web-0 not found"
+            format!("persistentvolumeclaim {}/{CLAIM} not found", c.env.app_ns)
         );
+        c.cleanup().await;
     }
 
-    #[tokio::test]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn unbound_claim() {
+        let c = Cluster::new().await;
         let l = layout();
-        let server = TestApiServer::start().await.unwrap();
-        put_pvc(&server, None);
-        let client = server.client().await;
-        let err = resolve(&client, &l.pods, &claim_pod(), "data")
+        c.put_pvc(None).await;
+        let err = resolve(&c.client, &l.pods, &c.claim_pod(), "data")
             .await
             .unwrap_err();
         assert!(matches!(err, VolumeError::ClaimNotBound { .. }), "{err:?}");
+        c.cleanup().await;
     }
 
-    #[tokio::test]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn missing_persistent_volume() {
+        let c = Cluster::new().await;
         let l = layout();
-        let server = TestApiServer::start().await.unwrap();
-        put_pvc(&server, Some("pvc-123"));
-        let client = server.client().await;
-        let err = resolve(&client, &l.pods, &claim_pod(), "data")
+        c.put_pvc(Some(&c.pv)).await;
+        let err = resolve(&c.client, &l.pods, &c.claim_pod(), "data")
             .await
             .unwrap_err();
-        assert_eq!(err.to_string(), "persistentvolume pvc-123 not found");
+        assert_eq!(
+            err.to_string(),
+            format!("persistentvolume {} not found", c.pv)
+        );
+        c.cleanup().await;
     }
 
-    #[tokio::test]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn api_failure_keeps_the_api_error() {
+        let c = Cluster::new().await;
         let l = layout();
-        let server = TestApiServer::start().await.unwrap();
-        put_pvc(&server, Some("pvc-123"));
-        server.fail_next(
+        c.put_pvc(Some(&c.pv)).await;
+        c.proxy.fail_next(
             RequestMatch::any().resource("persistentvolumeclaims"),
             1,
             500,
         );
-        let client = server.client().await;
-        let err = resolve(&client, &l.pods, &claim_pod(), "data")
+        let err = resolve(&c.client, &l.pods, &c.claim_pod(), "data")
             .await
             .unwrap_err();
         assert!(matches!(err, VolumeError::Api(_)), "{err:?}");
         assert!(
             err.to_string()
-                .starts_with("Kubernetes API request failed: ")
+                .starts_with("Kubernetes API request failed: "),
+            "{err}"
         );
+        // The one request was the claim's, answered by the proxy's fault.
+        let log = c.proxy.request_log();
+        assert!(
+            log.len() == 1 && log[0].injected && log[0].status == 500,
+            "{log:?}"
+        );
+        c.cleanup().await;
     }
 
-    #[tokio::test]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn pod_without_uid() {
+        let c = Cluster::new().await;
         let l = layout();
-        let server = TestApiServer::start().await.unwrap();
-        let client = server.client().await;
-        let p = pod(json!([{"name": "cache", "emptyDir": {}}]), None);
-        let err = resolve(&client, &l.pods, &p, "cache").await.unwrap_err();
-        assert_eq!(err.to_string(), "pod shop/web-0 has no metadata.uid");
+        let p = c.pod(json!([{"name": "cache", "emptyDir": {}}]), None);
+        let err = resolve(&c.client, &l.pods, &p, "cache").await.unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            format!("pod {}/web-0 has no metadata.uid", c.env.app_ns)
+        );
+        c.cleanup().await;
     }
 }
