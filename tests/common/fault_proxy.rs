@@ -1,5 +1,4 @@
-//! A fault-injecting HTTPS proxy in front of an API server (a real kube-apiserver, or the
-//! stand-in): the faults a real server will not produce on demand, switched by the test while
+//! A fault-injecting HTTPS proxy in front of a real kube-apiserver: the faults a real server will not produce on demand, switched by the test while
 //! the agent runs.
 //!
 //! The agent gets a kubeconfig whose server is the proxy (its own certificate, made at test time
@@ -236,8 +235,7 @@ struct Rule {
 struct Upstream {
     host: String,
     port: u16,
-    /// None for a plain-HTTP server (the stand-in).
-    tls: Option<(tokio_rustls::TlsConnector, ServerName<'static>)>,
+    tls: (tokio_rustls::TlsConnector, ServerName<'static>),
 }
 
 struct Shared {
@@ -446,15 +444,10 @@ fn upstream(config: &kube::Config) -> Result<Upstream, String> {
         .trim_start_matches('[')
         .trim_end_matches(']')
         .to_string();
-    let https = url.scheme_str() == Some("https");
-    let port = url.port_u16().unwrap_or(if https { 443 } else { 80 });
-    if !https {
-        return Ok(Upstream {
-            host,
-            port,
-            tls: None,
-        });
+    if url.scheme_str() != Some("https") {
+        return Err(format!("{url}: not an https server"));
     }
+    let port = url.port_u16().unwrap_or(443);
     let mut roots = rustls::RootCertStore::empty();
     let ders: Vec<CertificateDer<'static>> = match (&config.root_cert, &config.root_cert_file) {
         (Some(ders), _) => ders
@@ -484,7 +477,7 @@ fn upstream(config: &kube::Config) -> Result<Upstream, String> {
     Ok(Upstream {
         host,
         port,
-        tls: Some((tokio_rustls::TlsConnector::from(Arc::new(client)), name)),
+        tls: (tokio_rustls::TlsConnector::from(Arc::new(client)), name),
     })
 }
 
@@ -583,10 +576,8 @@ impl<T: AsyncRead + AsyncWrite + Unpin + Send> Stream for T {}
 async fn connect_upstream(up: &Upstream) -> std::io::Result<Box<dyn Stream>> {
     let tcp = TcpStream::connect((up.host.as_str(), up.port)).await?;
     tcp.set_nodelay(true)?;
-    Ok(match &up.tls {
-        None => Box::new(tcp),
-        Some((connector, name)) => Box::new(connector.connect(name.clone(), tcp).await?),
-    })
+    let (connector, name) = &up.tls;
+    Ok(Box::new(connector.connect(name.clone(), tcp).await?))
 }
 
 /// One agent connection: TLS, then HTTP/1.1 requests forwarded over one upstream connection.
