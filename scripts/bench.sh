@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs the benchmarks and writes BENCHMARKS.md (the figures the README quotes).
 #
-#   scripts/bench.sh            full run (the documented numbers; about 20 minutes on 2 CPUs)
+#   scripts/bench.sh            full run (the documented numbers; about 45 minutes on 2 CPUs)
 #   scripts/bench.sh --quick    small sizes and few runs, a fast check that everything works
 #   scripts/bench.sh --capture  also re-capture testdata/restic-streams/ with the installed restic
 #
