@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Runs the benchmarks and writes BENCHMARKS.md (the figures the README quotes).
 #
-#   scripts/bench.sh            full run (the documented numbers; about 20 minutes on 2 CPUs)
+#   scripts/bench.sh            full run (the documented numbers; about 45 minutes on 2 CPUs)
 #   scripts/bench.sh --quick    small sizes and few runs, a fast check that everything works
 #   scripts/bench.sh --capture  also re-capture testdata/restic-streams/ with the installed restic
 #
 # Needs restic on PATH (or RESTIC=/path/to/restic), kopia (KOPIA=..., else scripts/install-kopia.sh
-# builds the pinned one) and /proc. Work files go to a temporary
+# builds the pinned one), the control plane of cases 4b and 5 (scripts/install-control-plane.sh)
+# and Velero 1.18.3 for its CRDs (scripts/install-velero.sh; both build once, cached) and /proc.
+# Work files go to a temporary
 # directory under BENCH_WORK_PARENT (default /var/tmp: a real disk, not tmpfs), removed at the end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -26,6 +28,9 @@ export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$PWD/target-bench}"
 RESTIC="${RESTIC:-$(command -v restic)}"
 # The kopia of case 7: KOPIA=/path/to/kopia, else the pinned one (built once, cached).
 if [ -z "${KOPIA:-}" ]; then read -r _ KOPIA < <(scripts/install-kopia.sh 0.22.3); fi
+# Cases 4b and 5: a real kube-apiserver (etcd, kube-controller-manager, kubectl) and Velero's CRDs.
+cp_bin=$(scripts/install-control-plane.sh)
+read -r velero_version velero_dir < <(scripts/install-velero.sh 1.18.3)
 OUT="${BENCH_OUT:-BENCHMARKS.md}"
 if [ "$quick" = 1 ]; then runs=3; cpu_runs=3; cancel_runs=3; agent_cancel_runs=3; objects=2000; big_objects=20000; secs=0.1; quick_flag=--quick
 else runs=5; cpu_runs=15; cancel_runs=20; agent_cancel_runs=10; objects=10000; big_objects=100000; secs=0.5; quick_flag=; fi
@@ -33,6 +38,7 @@ else runs=5; cpu_runs=15; cancel_runs=20; agent_cancel_runs=10; objects=10000; b
 work="$(mktemp -d "${BENCH_WORK_PARENT:-/var/tmp}/pva-bench.XXXXXX")"
 trap 'rm -rf "$work"' EXIT
 parts="$work/parts"; mkdir -p "$parts"
+"$velero_dir/velero" install --crds-only --dry-run -o yaml >"$work/velero-$velero_version-crds.yaml"
 
 echo "building (release)..." >&2
 cargo build --release --bin podvolume-agent >&2
@@ -58,15 +64,16 @@ echo "case 7: kopia (overhead over bare kopia, progress age, cancel latency)" >&
 bench kopia --kopia "$KOPIA" --agent "$CARGO_TARGET_DIR/release/podvolume-agent" --work "$work/kopia" \
   --runs "$runs" --cancel-runs "$cancel_runs" $quick_flag --out "$parts/7.md" >/dev/null
 rm -rf "$work/kopia"
-echo "cases 4b and 5: the agent against the API server stand-in" >&2
-bench agent --restic "$RESTIC" --agent "$CARGO_TARGET_DIR/release/podvolume-agent" \
-  --work "$work/agent" --cancel-runs "$agent_cancel_runs" --objects "$objects" --running 4 \
-  $quick_flag --out "$parts/4b-5.md" >/dev/null
+echo "cases 4b and 5: the agent against a real kube-apiserver" >&2
+agent_bench() {
+  bench agent --restic "$RESTIC" --agent "$CARGO_TARGET_DIR/release/podvolume-agent" \
+    --control-plane-bin "$cp_bin" --velero-crds "$work/velero-$velero_version-crds.yaml" \
+    --work "$work/agent" --running 4 $quick_flag "$@"
+}
+agent_bench --cancel-runs "$agent_cancel_runs" --objects "$objects" --out "$parts/4b-5.md" >/dev/null
 rm -rf "$work/agent"
-echo "case 5 with $big_objects objects" >&2
-bench agent --restic "$RESTIC" --agent "$CARGO_TARGET_DIR/release/podvolume-agent" \
-  --work "$work/agent" --cancel-runs 1 --objects "$big_objects" --running 4 \
-  $quick_flag --out "$parts/5-big.md" >/dev/null
+echo "case 5 with $big_objects objects (real kube-apiserver)" >&2
+agent_bench --cancel-runs 1 --objects "$big_objects" --out "$parts/5-big.md" >/dev/null
 rm -rf "$work/agent"
 # Only its case 5 (its one cancel run is not a measurement).
 sed -n '/^## 5\. /,$p' "$parts/5-big.md" > "$parts/5b.md"

@@ -18,6 +18,8 @@
 #                       building them first if needed)
 #   ETCD_PORT, APISERVER_PORT, CONTROLLER_MANAGER_PORT   fixed ports instead of free ones
 #   START_TIMEOUT       seconds to wait for each component (default 120)
+#   KUBE_APISERVER_EXTRA_ARGS   more kube-apiserver flags, split at spaces (e.g. the benchmark's
+#                       --audit-policy-file=... --audit-log-path=...: which requests the agent made)
 #
 # <dir> after a start:
 #   pki/ca.{crt,key}                 the CA: signs every certificate below (and CSRs, through the
@@ -288,6 +290,7 @@ etcd_pid=${pids[-1]}
 wait_for etcd "$dir/etcd.log" "$etcd_pid" "http://127.0.0.1:$etcd_port/health"
 say "etcd ready on 127.0.0.1:$etcd_port (PID $etcd_pid) after $((SECONDS - t0)) s"
 
+read -r -a apiserver_extra <<<"${KUBE_APISERVER_EXTRA_ARGS:-}"
 # kube-apiserver. --client-ca-file: x509 client certs (admin, controller manager) authenticate.
 # Node,RBAC: authorization as a real cluster has it, so RBAC refusals (403) are real.
 # ServiceAccount tokens: signed with sa.key (TokenRequest, the serviceaccounts/<sa>/token
@@ -317,7 +320,8 @@ launch kube-apiserver "$bin/kube-apiserver" \
   --requestheader-extra-headers-prefix=X-Remote-Extra- \
   --proxy-client-cert-file="$pki/front-proxy-client.crt" --proxy-client-key-file="$pki/front-proxy-client.key" \
   --allow-privileged=true --profiling=false \
-  --cert-dir="$pki/apiserver-generated"
+  --cert-dir="$pki/apiserver-generated" \
+  "${apiserver_extra[@]}"
 api_pid=${pids[-1]}
 admin=(--cacert "$pki/ca.crt" --cert "$pki/admin.crt" --key "$pki/admin.key")
 wait_for kube-apiserver "$dir/kube-apiserver.log" "$api_pid" "${admin[@]}" "https://127.0.0.1:$api_port/readyz"

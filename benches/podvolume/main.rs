@@ -6,6 +6,9 @@
 
 mod agent;
 mod cancel;
+// The node agent's identity from `daemonset/`, as the e2e suite makes it on a real API server.
+#[path = "../../tests/e2e/identity.rs"]
+mod identity;
 mod kopia;
 mod overhead;
 mod parser;
@@ -105,12 +108,19 @@ enum Cmd {
         out: PathBuf,
     },
     /// Cases 4b and 5: cancel latency through the API and memory at scale, the agent binary
-    /// against the API server stand-in.
+    /// against a real kube-apiserver (started here, stopped at the end).
     Agent {
         #[arg(long, default_value = "restic")]
         restic: PathBuf,
         #[arg(long)]
         agent: PathBuf,
+        /// Directory with etcd, kube-apiserver, kube-controller-manager and kubectl
+        /// (what `scripts/install-control-plane.sh` prints).
+        #[arg(long)]
+        control_plane_bin: PathBuf,
+        /// Velero's CRDs (`velero install --crds-only --dry-run -o yaml`).
+        #[arg(long)]
+        velero_crds: PathBuf,
         #[arg(long)]
         work: PathBuf,
         #[arg(long, default_value_t = 10)]
@@ -188,6 +198,8 @@ fn main() {
         Cmd::Agent {
             restic,
             agent,
+            control_plane_bin,
+            velero_crds,
             work,
             cancel_runs,
             objects,
@@ -199,6 +211,8 @@ fn main() {
             &agent::run(&agent::Options {
                 restic: &restic,
                 agent: &agent,
+                control_plane_bin: &control_plane_bin,
+                velero_crds: &velero_crds,
                 work: &work,
                 cancel_runs,
                 objects,
