@@ -102,9 +102,8 @@ not_e2e=(--lib --bins --test cli --test kopia_engine --test kopia_parser --test 
 
 # Pass 1: every test but the end-to-end suite, restic from PATH.
 echo "== pass 1: every test with $(restic version) ($(command -v restic)) and kopia $("$PODVOLUME_TEST_KOPIA" --version) =="
-bounded 2400 cargo test --workspace --no-fail-fast --exclude podvolume-testbed "${not_e2e[@]}"
+bounded 2400 cargo test --no-fail-fast "${not_e2e[@]}"
 bounded 600 cargo test --doc
-bounded 600 cargo test -p podvolume-testbed
 run cargo test --test restic_engine --test cli --test s3_cli -- --show-output restic_under_test
 run cargo test --test kopia_engine --test kopia_parser --test s3_cli --test cli -- --show-output kopia_under_test
 
