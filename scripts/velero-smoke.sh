@@ -372,7 +372,11 @@ start_group agent 35 "$W/agent.log" env HOME="$W/agent/home" "$agent" run \
   --default-credentials-file "$W/agent/credentials/cloud" --update-interval 1s
 agent_pg=${groups[-1]#*:}; agent_pg=${agent_pg%%:*}
 agent_ready() {
-  group_alive "$agent_pg" || die "the agent exited: $(tail -n 20 "$W/agent.log")"
+  if ! group_alive "$agent_pg"; then
+    # Its status says how (137: SIGKILL, e.g. the kernel's OOM killer; 1: an error it logged).
+    local rc=0; wait "$agent_pg" || rc=$?
+    die "the agent exited with status $rc: $(tail -n 20 "$W/agent.log")"
+  fi
   curl -fsS --max-time 2 -o /dev/null "http://127.0.0.1:$agent_port/readyz" 2>/dev/null
 }
 wait_until 60 "agent /readyz" agent_ready
