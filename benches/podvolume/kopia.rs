@@ -24,7 +24,7 @@ use podvolume_agent::uploader::{OutcomeKind, RepositoryAccess, UploaderKind};
 
 use crate::cancel::cancel_timed;
 use crate::overhead::{Sample, measure};
-use crate::util::{fmt, gen_large, gen_small, max, median, mib, percentile};
+use crate::util::{fmt, fresh_copy, gen_large, gen_small, max, median, mib, percentile};
 
 pub struct Options<'a> {
     pub kopia: &'a Path,
@@ -79,18 +79,7 @@ impl Repos {
     /// (repository, cache dir) fresh for one run.
     fn fresh(&mut self) -> (PathBuf, PathBuf) {
         self.n += 1;
-        let repo = self.dir.join(format!("kopia-repo-{}", self.n));
-        let cache = self.dir.join(format!("kopia-cache-{}", self.n));
-        let _ = std::fs::remove_dir_all(&repo);
-        let _ = std::fs::remove_dir_all(&cache);
-        let st = Command::new("cp")
-            .arg("-a")
-            .arg(&self.template)
-            .arg(&repo)
-            .status()
-            .unwrap();
-        assert!(st.success());
-        (repo, cache)
+        fresh_copy(&self.template, &self.dir, &format!("kopia-{}", self.n))
     }
 
     fn drop(&self, repo: &Path, cache: &Path) {

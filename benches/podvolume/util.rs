@@ -224,24 +224,30 @@ impl Work {
     /// A fresh, initialised, empty repository (a copy of the template) and a fresh cache dir.
     pub fn fresh_repo(&mut self) -> (PathBuf, PathBuf) {
         self.n += 1;
-        let repo = self.dir.join(format!("repo-{}", self.n));
-        let cache = self.dir.join(format!("cache-{}", self.n));
-        let _ = fs::remove_dir_all(&repo);
-        let _ = fs::remove_dir_all(&cache);
-        let st = Command::new("cp")
-            .arg("-a")
-            .arg(&self.template)
-            .arg(&repo)
-            .status()
-            .unwrap();
-        assert!(st.success());
-        (repo, cache)
+        fresh_copy(&self.template, &self.dir, &format!("{}", self.n))
     }
 
     pub fn drop_repo(&self, repo: &Path, cache: &Path) {
         let _ = fs::remove_dir_all(repo);
         let _ = fs::remove_dir_all(cache);
     }
+}
+
+/// A copy of `template` at `<dir>/repo-<n>` and an empty `<dir>/cache-<n>` path, whatever an
+/// earlier run left there removed first.
+pub fn fresh_copy(template: &Path, dir: &Path, n: &str) -> (PathBuf, PathBuf) {
+    let repo = dir.join(format!("repo-{n}"));
+    let cache = dir.join(format!("cache-{n}"));
+    let _ = fs::remove_dir_all(&repo);
+    let _ = fs::remove_dir_all(&cache);
+    let st = Command::new("cp")
+        .arg("-a")
+        .arg(template)
+        .arg(&repo)
+        .status()
+        .unwrap();
+    assert!(st.success(), "cp -a {}", template.display());
+    (repo, cache)
 }
 
 pub fn mib(bytes: u64) -> f64 {
