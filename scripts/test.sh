@@ -164,4 +164,4 @@ done
 bounded 3600 env PODVOLUME_KOPIA_OTHERS="${kopia_others[*]}" PODVOLUME_RESTIC_NEW="$restic_new" \
   scripts/test-real-cluster.sh
 
-echo "== all tests passed with restic $(restic version | awk '{print $2}') and 0.18.0, kopia ${!kopia_at[*]}, on the stand-in and a real kube-apiserver, in $(($(date +%s) - started)) s =="
+echo "== all tests passed with restic $(restic version | awk '{print $2}') and 0.18.0, kopia ${!kopia_at[*]}, on a real kube-apiserver, in $(($(date +%s) - started)) s =="
