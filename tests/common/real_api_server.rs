@@ -204,19 +204,7 @@ async fn allowed(admin: &Client, caller: &Caller, attributes: &ResourceAttribute
 /// A kubeconfig for `caller`: the cluster (server and CA) of the admin kubeconfig's current
 /// context, the caller's token as the user.
 fn write_kubeconfig(admin_kubeconfig: &Path, caller: &Caller) {
-    let admin: Value =
-        serde_norway::from_str(&std::fs::read_to_string(admin_kubeconfig).unwrap()).unwrap();
-    let current = admin["current-context"].as_str().unwrap_or_default();
-    let cluster_name = admin["contexts"]
-        .as_array()
-        .and_then(|cs| cs.iter().find(|c| c["name"] == current))
-        .map(|c| c["context"]["cluster"].clone())
-        .unwrap_or(Value::Null);
-    let cluster = admin["clusters"]
-        .as_array()
-        .and_then(|cs| cs.iter().find(|c| c["name"] == cluster_name))
-        .map(|c| c["cluster"].clone())
-        .expect("the admin kubeconfig's current context names no cluster");
+    let cluster = crate::harness::identity::current_cluster(admin_kubeconfig);
     let user = caller.username();
     let kubeconfig = json!({
         "apiVersion": "v1", "kind": "Config",

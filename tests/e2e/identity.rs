@@ -94,19 +94,7 @@ pub async fn node_agent_kubeconfig(
         .expect("TokenRequest answered without a status")
         .token;
 
-    let admin_kc: Value =
-        serde_norway::from_str(&std::fs::read_to_string(admin_kubeconfig).unwrap()).unwrap();
-    let current = admin_kc["current-context"].as_str().unwrap_or_default();
-    let cluster_name = admin_kc["contexts"]
-        .as_array()
-        .and_then(|cs| cs.iter().find(|c| c["name"] == current))
-        .map(|c| c["context"]["cluster"].clone())
-        .unwrap_or(Value::Null);
-    let cluster = admin_kc["clusters"]
-        .as_array()
-        .and_then(|cs| cs.iter().find(|c| c["name"] == cluster_name))
-        .map(|c| c["cluster"].clone())
-        .expect("the admin kubeconfig's current context names no cluster");
+    let cluster = current_cluster(admin_kubeconfig);
     let kubeconfig = json!({
         "apiVersion": "v1",
         "kind": "Config",
@@ -202,4 +190,21 @@ fn the_identity_is_daemonsets_own_moved_into_the_test_namespace() {
     assert_eq!(crb["roleRef"]["name"], "podvolume-agent-t1");
     assert_eq!(objs[0]["metadata"]["name"], SERVICE_ACCOUNT);
     assert_eq!(objs[3]["metadata"]["namespace"], "t1");
+}
+
+/// The cluster entry (server, CA) of a kubeconfig's current context: what a kubeconfig made for
+/// another identity on the same server reuses.
+pub fn current_cluster(kubeconfig: &Path) -> Value {
+    let kc: Value = serde_norway::from_str(&std::fs::read_to_string(kubeconfig).unwrap()).unwrap();
+    let current = kc["current-context"].as_str().unwrap_or_default();
+    let cluster_name = kc["contexts"]
+        .as_array()
+        .and_then(|cs| cs.iter().find(|c| c["name"] == current))
+        .map(|c| c["context"]["cluster"].clone())
+        .unwrap_or(Value::Null);
+    kc["clusters"]
+        .as_array()
+        .and_then(|cs| cs.iter().find(|c| c["name"] == cluster_name))
+        .map(|c| c["cluster"].clone())
+        .expect("the kubeconfig's current context names no cluster")
 }
