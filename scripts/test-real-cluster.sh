@@ -6,12 +6,13 @@
 #
 # 1. Builds (once per machine, cached) kube-apiserver, kube-controller-manager, etcd, kubectl
 #    (scripts/install-control-plane.sh) and Velero 1.18.3 with velero-plugin-for-aws
-#    (scripts/install-velero.sh), then starts the control plane in a temporary directory
+#    and Velero 1.16.2 (scripts/install-velero.sh), then starts the control plane in a temporary directory
 #    (scripts/start-control-plane.sh), stopped and removed on exit, also on failure.
 # 2. The end-to-end suite (tests/e2e) on it, the agent running as daemonset/'s ServiceAccount
 #    and RBAC (tests/e2e/identity.rs), with the CRDs each Velero installs:
-#      a. Velero <= 1.16's PodVolumeBackup/Restore CRDs (../shared/reference/velero-crds/v1.15/,
-#         four phases) over Velero 1.18.3's others: the `velero_116` cases;
+#      a. Velero 1.16.2's own (`velero install --crds-only`; four phases, no spec.cancel, no
+#         incrementalBytes; its PodVolumeBackup/Restore CRDs differ from 1.15's only in
+#         descriptions): the `velero_116` cases;
 #      b. then Velero 1.18.3's own (`velero install --crds-only`, applied over the old ones as
 #         Velero's upgrade instructions do): every case, the API fault cases among them (a
 #         fault-injecting proxy between the agent and this server, tests/common/fault_proxy.rs);
@@ -24,8 +25,9 @@
 #    Velero 1.18.3's CRDs, then the plugin's `_our_crds` tests and the e2e `status_subresource`
 #    case with the project's CRDs
 #    (daemonset/crds.yaml, status subresource) applied over them.
-# 3. scripts/velero-smoke.sh: the real Velero 1.18.3 server drives the agent (backup, restore,
-#    delete) on a control plane of its own.
+# 3. scripts/velero-smoke.sh: the real Velero server drives the agent (backup, restore, delete,
+#    timeout, restart) on a control plane of its own: Velero 1.18.3 with kopia, then Velero 1.16.2
+#    with restic.
 #
 # Environment: PODVOLUME_TEST_KOPIA (the kopia the suites run; default: install-kopia.sh 0.22.3),
 # PODVOLUME_TOOLS_CACHE (the tools cache, as the install scripts).
@@ -38,12 +40,11 @@ say() { echo "test-real-cluster.sh: $*" >&2; }
 
 cp_bin=$(scripts/install-control-plane.sh)
 read -r velero_version velero_dir < <(scripts/install-velero.sh 1.18.3)
+read -r velero_old_version velero_old_dir < <(scripts/install-velero.sh 1.16.2)
 if [ -z "${PODVOLUME_TEST_KOPIA:-}" ]; then
   read -r v PODVOLUME_TEST_KOPIA < <(scripts/install-kopia.sh 0.22.3)
   export PODVOLUME_TEST_KOPIA PODVOLUME_TEST_KOPIA_VERSION=$v
 fi
-crds_115=$root/../shared/reference/velero-crds/v1.15
-[ -f "$crds_115/velero.io_podvolumebackups.yaml" ] || { say "Velero 1.15's CRDs are missing: $crds_115"; exit 1; }
 
 cp_dir=$(mktemp -d /tmp/podvolume-cp.XXXXXX)
 stop() {
@@ -69,13 +70,14 @@ echo "== real control plane: kube-apiserver $("$cp_bin/kube-apiserver" --version
   "$("$cp_bin/etcd" --version | head -n1), kube-controller-manager $("$cp_bin/kube-controller-manager" --version | cut -d' ' -f2)," \
   "server reports $(k version -o json | sed -n 's/.*"gitVersion": "\([^"]*\)".*/\1/p' | tail -n1) =="
 
-# Velero 1.18.3's CRDs, as its installer writes them; then its PodVolumeBackup/Restore CRDs
-# replaced by Velero 1.15's (what a cluster running Velero <= 1.16 has).
+# Velero 1.16.2's CRDs as its installer writes them (what a cluster running Velero <= 1.16 has),
+# then Velero 1.18.3's over them, as Velero's upgrade instructions apply them.
+"$velero_old_dir/velero" install --crds-only --dry-run -o yaml >"$cp_dir/velero-$velero_old_version-crds.yaml"
 "$velero_dir/velero" install --crds-only --dry-run -o yaml >"$cp_dir/velero-$velero_version-crds.yaml"
-k apply -f "$cp_dir/velero-$velero_version-crds.yaml" >/dev/null
-k apply -f "$crds_115/velero.io_podvolumebackups.yaml" -f "$crds_115/velero.io_podvolumerestores.yaml" >/dev/null
+k apply -f "$cp_dir/velero-$velero_old_version-crds.yaml" >/dev/null
 k wait --for condition=established --timeout=60s crd/podvolumebackups.velero.io crd/podvolumerestores.velero.io >/dev/null
-echo "== e2e on the real API server with Velero 1.15's PodVolumeBackup/Restore CRDs: the velero_116 cases =="
+phases=$(k get crd podvolumebackups.velero.io -o jsonpath='{.spec.versions[0].schema.openAPIV3Schema.properties.status.properties.phase.enum}')
+echo "== e2e on the real API server with Velero $velero_old_version's CRDs (PodVolumeBackup phases $phases): the velero_116 cases =="
 timeout --kill-after=30 1200 cargo test --test e2e -- velero_116
 
 k apply -f "$cp_dir/velero-$velero_version-crds.yaml" >/dev/null
@@ -113,7 +115,9 @@ CONTROL_PLANE_BIN=$cp_bin scripts/start-control-plane.sh --stop "$cp_dir" >&2
 
 echo "== the real Velero $velero_version server as the agent's client (scripts/velero-smoke.sh) =="
 cargo build --quiet --bin podvolume-agent
-PODVOLUME_AGENT=$root/target/debug/podvolume-agent scripts/velero-smoke.sh
+PODVOLUME_AGENT=$root/target/debug/podvolume-agent scripts/velero-smoke.sh "$velero_version"
+echo "== the real Velero $velero_old_version server (restic) as the agent's client (scripts/velero-smoke.sh $velero_old_version) =="
+PODVOLUME_AGENT=$root/target/debug/podvolume-agent scripts/velero-smoke.sh "$velero_old_version"
 
 echo "== real-cluster tests passed in $(($(date +%s) - started)) s =="
 }

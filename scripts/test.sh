@@ -50,15 +50,16 @@ fi
 scripts/install-moto.sh
 restic_new=$(scripts/fetch-restic-trixie.sh)
 
-# The real control plane, helm and the Velero server (Go builds of many minutes the first time on
-# a machine, nothing after; helm after the control plane, whose client-go build it reuses): built
+# The real control plane, helm and the Velero servers 1.18.3 and 1.16.2 (Go builds of many minutes
+# the first time on a machine, nothing after; helm after the control plane, whose client-go build
+# it reuses; Velero 1.16.2 after 1.18.3, about 3 min more with Go's build cache warm): built
 # in the background while the Rust build and the suites that need no API server run; pass 3 waits
 # for them below. Not niced: on a cold machine these builds are the longest path of the whole run
 # (niced, they took 30 min beside the Rust build and tests instead of about 15).
 mkdir -p target/test-tools
 tools_log=target/test-tools/real-cluster-tools.log
 # In a process group of its own, so that a failing run stops the whole build, go and compilers.
-setsid bash -c 'scripts/install-control-plane.sh && scripts/install-helm.sh && scripts/install-velero.sh 1.18.3' \
+setsid bash -c 'scripts/install-control-plane.sh && scripts/install-helm.sh && scripts/install-velero.sh 1.18.3 1.16.2' \
   </dev/null >"$tools_log" 2>&1 &
 tools_pid=$!
 # The image's Debian root filesystem (mmdebstrap: mostly downloading), beside them.
@@ -135,7 +136,7 @@ run env PODVOLUME_TEST_RESTIC="$restic_new" PODVOLUME_TEST_RESTIC_VERSION=0.18.0
 # kube-apiserver and Velero server (scripts/test-real-cluster.sh): the whole
 # end-to-end suite as the agent's own ServiceAccount with each Velero's CRDs, the kopia e2e cases
 # with every pinned kopia, the restic e2e cases with 0.18, the operations API, kubectl-podvolume
-# and volume path tests, and the real Velero server driving the agent.
+# and volume path tests, and the real Velero servers (1.18.3 kopia, 1.16.2 restic) driving the agent.
 echo "== pass 3: waiting for the control plane, helm and Velero builds (log: $tools_log) =="
 if ! wait "$tools_pid"; then
   echo "test.sh: building the control plane, helm or Velero failed:" >&2

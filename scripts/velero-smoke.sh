@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# Smoke test of the node agent with the real Velero server as its client: Velero 1.18.3 (kopia
-# file-system backups) asks, podvolume-agent does the work, and the results are checked from the
-# API server, the kopia repository and the restored files.
+# Smoke test of the node agent with the real Velero server as its client: Velero asks,
+# podvolume-agent does the work, and the results are checked from the API server, the repository
+# and the restored files. Two Velero versions, each with the uploader its users run:
 #
-#   scripts/velero-smoke.sh
+#   scripts/velero-smoke.sh            # Velero 1.18.3, kopia (1.17+ back up pod volumes with kopia only)
+#   scripts/velero-smoke.sh 1.16.2     # Velero 1.16.2 with --uploader-type=restic, its own CRDs
+#                                      # (four phases, no spec.cancel, no incrementalBytes)
 #
 # What it starts (all on loopback, all stopped on exit by a trap, process groups included):
 #   - moto's S3 server behind TLS with a CA made here (openssl), an IAM user that may use the
@@ -20,7 +22,8 @@
 #     pod from daemonset.yaml's template (so Velero finds it only if the template has the label
 #     role=node-agent);
 #   - `velero server` as a host process with the Deployment's arguments (server --features=
-#     --uploader-type=kopia), as ServiceAccount velero (a TokenRequest token);
+#     --uploader-type=kopia|restic), as ServiceAccount velero (a TokenRequest token); for 1.16 the
+#     server runs restic itself (PATH's) to initialise the repository and to forget snapshots;
 #   - `podvolume-agent run` as a host process, as ServiceAccount node-agent (a TokenRequest token:
 #     only daemonset/rbac.yaml's permissions), with the cloud-credentials Secret as its default
 #     credentials file, as the DaemonSet mounts it.
@@ -30,26 +33,30 @@
 #      backup.velero.io/backup-volumes; `velero backup create b1 --include-namespaces smoke-app
 #      --wait` -> Completed; every PodVolumeBackup Completed by the agent (status written by field
 #      manager podvolume-agent, snapshotID, bytesDone == totalBytes == bytes written); the kopia
-#      manifests in <bucket>/backups/kopia/smoke-app/ as Velero's identity (default@default).
+#      manifests in <bucket>/backups/kopia/smoke-app/ as Velero's identity (default@default), or
+#      the restic snapshots in the PVBs' repoIdentifier <s3Url>/<bucket>/backups/restic/smoke-app
+#      (host velero, the PVB's tags); a status field the served CRD lacks is absent.
 #   2. restore: `velero restore create r1 --from-backup b1 --namespace-mappings
 #      smoke-app:smoke-app-restored --wait` -> Completed; restore-wait init container; every
 #      PodVolumeRestore Completed by the agent; the done files seen by the helper; the restored
 #      trees identical (sha256, modes, mtimes).
-#   3. delete: `velero backup delete b1 --confirm` -> the Backup gone, the kopia manifests deleted.
-#   4. timeout: a Backup with the annotation velero.io/pod-volume-timeout: 20s of a volume kopia
-#      takes minutes over (a 64 GiB sparse file) -> Velero sets spec.cancel on the running
-#      PodVolumeBackup ("Cancel PVB on pod volume timeout"), the agent stops kopia: the PVB ends
-#      Canceled with no snapshot, no kopia process is left, our finalizer is gone; the Backup
-#      ends PartiallyFailed.
+#   3. delete: `velero backup delete b1 --confirm` -> the Backup gone, its snapshots gone from
+#      the repository (kopia manifests deleted; restic snapshots forgotten by the server).
+#   4. timeout: a Backup with the annotation velero.io/pod-volume-timeout of a volume the
+#      uploader takes long over (a sparse file) -> the Backup ends PartiallyFailed. 1.18 (20 s,
+#      64 GiB): Velero sets spec.cancel on the running PodVolumeBackup ("Cancel PVB on pod
+#      volume timeout"), the agent stops kopia: the PVB ends Canceled with no snapshot. 1.16
+#      (10 s, 12 GiB): Velero has no cancel and leaves the PVB alone: it runs to its end,
+#      Completed with its snapshot. Either way no uploader is left and our finalizer is gone.
 #   5. server restart: the same kind of backup, and `velero server` stopped and started again
-#      mid-transfer -> at start Velero fails the Backup and sets spec.cancel on its PVB ("during
-#      the velero server starting, mark it as cancel"): the same checks as 4, the Backup Failed.
-#   6. interchangeable snapshots: Velero 1.18's own kopia data path (`velero pod-volume restore`,
+#      mid-transfer -> the Backup Failed; 1.18 at its start sets spec.cancel on the PVB ("during
+#      the velero server starting, mark it as cancel"), 1.16 does not: the same checks as 4.
+#   6. (1.18 only) interchangeable snapshots: Velero 1.18's own kopia data path (`velero pod-volume restore`,
 #      the command of its node agent's data-mover pod, run as a host process by
 #      tools/velero-smoke/velero-data-path.sh) restores a snapshot our agent made in case 1;
 #      `velero pod-volume backup` snapshots the same volume and our agent restores that one:
 #      both byte for byte, modes and mtimes, done files; both snapshots under one kopia source.
-#   7. Velero's own node agent (`velero node-agent server`, host process) started on the node
+#   7. (1.18 only) Velero's own node agent (`velero node-agent server`, host process) started on the node
 #      while our agent backs up: it sets spec.cancel on our running PodVolumeBackup, ours stops
 #      kopia and ends it Canceled; what a PodVolumeBackup created with both running gets is
 #      printed (a race: not asserted). velero server is stopped first (both bind :8080).
@@ -60,8 +67,9 @@
 # Prints PASS/FAIL per check with the figures, the time per step, and exits 1 if any check failed
 # (the work directory, with every log, is then kept and named).
 #
-# Measured warm (tools built, 2 cores): about 52 s, of which 12 s start the control plane, 12 s
-# are the backup (Velero polls each pod's PodVolumeBackups every 5 s) and 8 s the restore.
+# Measured warm (tools built, 2 cores): 1.18.3 about 2 min (cases 6 and 7 the longest), 1.16.2
+# about 1.5 min; each starts the control plane in 12 s, backs up in 12-15 s (Velero polls each
+# pod's PodVolumeBackups every 5 s) and restores in 8-12 s.
 #
 # Environment:
 #   VELERO_SMOKE_DIR      work directory (default: a new /tmp/velero-smoke.XXXXXX)
@@ -77,7 +85,16 @@ set -euo pipefail
 {
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 tools=$root/tools/velero-smoke
-VELERO_VERSION=1.18.3
+VELERO_VERSION=${1:-1.18.3}
+VELERO_VERSION=${VELERO_VERSION#v}
+# The uploader each Velero's file-system backups use: 1.17+ kopia only; 1.16 restic when the
+# server runs with --uploader-type=restic (what its users of the restic path run).
+case $VELERO_VERSION in
+  1.18.*) UPLOADER=kopia ;;
+  1.16.*) UPLOADER=restic ;;
+  *) echo "velero-smoke.sh: Velero $VELERO_VERSION is not one this script knows (1.18.3, 1.16.2)" >&2; exit 2 ;;
+esac
+# scripts/install-velero.sh builds velero-plugin-for-aws v1.14.3 for both (it says why).
 AWS_PLUGIN_IMAGE=velero/velero-plugin-for-aws:v1.14.3
 KOPIA_VERSION=0.22.3
 NODE=smoke-node
@@ -94,119 +111,18 @@ unset AWS_ACCESS_KEY_ID AWS_SECRET_ACCESS_KEY AWS_SESSION_TOKEN AWS_PROFILE AWS_
   KUBECONFIG VELERO_NAMESPACE NODE_NAME KOPIA_PASSWORD KOPIA_CONFIG_PATH KOPIA_CACHE_DIRECTORY \
   KOPIA_LOG_DIR RESTIC_REPOSITORY RESTIC_PASSWORD_FILE
 
-t_start=$(date +%s.%N)
-elapsed() { awk -v a="$1" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }'; }
-say() { printf '[%6ss] %s\n' "$(elapsed "$t_start")" "$*"; }
-
-failures=0
-pass() { echo "  PASS $*"; }
-fail() { echo "  FAIL $*"; failures=$((failures + 1)); }
-# check <what> <command...>: PASS/FAIL by the command's status.
-check() { local what=$1; shift; if "$@"; then pass "$what"; else fail "$what"; fi; }
-# Runs tools/velero-smoke/checks.py and counts its FAIL lines (a crash counts as one).
-pycheck() {
-  local out rc=0 n
-  out=$(python3 "$tools/checks.py" "$@" 2>&1) || rc=$?
-  echo "$out"
-  n=$(grep -c '^  FAIL' <<<"$out" || true)
-  if [ "$rc" -ne 0 ] && [ "$n" -eq 0 ]; then n=1; echo "  FAIL checks.py $1 exited $rc"; fi
-  failures=$((failures + n))
-}
-
-steps=()
-step_begin() { step_name=$1; step_t0=$(date +%s.%N); say "== $1"; }
-step_end() {
-  local d; d=$(elapsed "$step_t0")
-  steps+=("$(printf '%7s s  %s' "$d" "$step_name")")
-  say "   $step_name: $d s"
-}
+# The report, process groups and cleanup, polling: tools/velero-smoke/lib.sh.
+source "$tools/lib.sh"
+# Cases 6 and 7 (Velero 1.18, kopia): functions in tools/velero-smoke/kopia-cases.sh.
+source "$tools/kopia-cases.sh"
 
 W=${VELERO_SMOKE_DIR:-}
 if [ -z "$W" ]; then W=$(mktemp -d /tmp/velero-smoke.XXXXXX); else mkdir -p "$W"; W=$(cd "$W" && pwd); fi
 
-# --- processes and cleanup -----------------------------------------------------------------------
-# Each long-running process is started with setsid (its own process group, PGID = its PID: a
-# background child of a script is no group leader, so setsid execs in place) and recorded as
-# name:pgid:grace. Cleanup stops the groups newest first: SIGTERM, SIGKILL after grace seconds.
-groups=()
-cp_started=0
-start_group() {
-  local name=$1 grace=$2 log=$3; shift 3
-  setsid "$@" </dev/null >"$log" 2>&1 &
-  groups+=("$name:$!:$grace")
-}
-group_alive() { # any non-zombie process in group $1
-  ps -e -o pgid=,stat= | awk -v g="$1" '$1 == g && $2 !~ /^Z/ { found = 1 } END { exit !found }'
-}
-stopped=()
-stop_group() {
-  local name=$1 pg=$2 grace=$3 i t0
-  group_alive "$pg" || { wait "$pg" 2>/dev/null || true; return 0; }
-  t0=$(date +%s.%N)
-  kill -TERM -- "-$pg" 2>/dev/null || true
-  for ((i = 0; i < grace * 5; i++)); do group_alive "$pg" || break; sleep 0.2; done
-  if group_alive "$pg"; then
-    echo "cleanup: $name (process group $pg) still running ${grace} s after SIGTERM: SIGKILL" >&2
-    kill -KILL -- "-$pg" 2>/dev/null || true
-  fi
-  wait "$pg" 2>/dev/null || true
-  stopped+=("$name $(elapsed "$t0") s")
-}
-cleanup() {
-  local rc=$? i name pg grace
-  set +e
-  trap - EXIT INT TERM
-  for ((i = ${#groups[@]} - 1; i >= 0; i--)); do
-    IFS=: read -r name pg grace <<<"${groups[i]}"
-    stop_group "$name" "$pg" "$grace"
-  done
-  if [ "$cp_started" = 1 ]; then "$root/scripts/start-control-plane.sh" --stop "$W/cp" >>"$W/control-plane.log" 2>&1; fi
-  [ ${#stopped[@]} -eq 0 ] || echo "cleanup: stopped (SIGTERM to exit) $(IFS=,; echo "${stopped[*]}" | sed 's/,/, /g'); control plane"
-  if [ "$rc" -eq 0 ] && [ "$failures" -eq 0 ] && [ "${VELERO_SMOKE_KEEP:-0}" != 1 ]; then
-    rm -rf "$W"
-  else
-    echo "work directory kept: $W (velero-server.log, agent.log, fake-kubelet.log, s3/moto.log, cp/*.log)"
-  fi
-  exit "$rc"
-}
 trap cleanup EXIT
 trap 'exit 130' INT
 trap 'exit 143' TERM
 
-die() {
-  echo "FATAL: $*"
-  for f in agent.log velero-server.log fake-kubelet.log; do
-    [ -f "$W/$f" ] && { echo "--- last lines of $W/$f"; tail -n 25 "$W/$f"; }
-  done
-  exit 1
-}
-# wait_until <seconds> <what> <command...>: polls every 0.5 s.
-wait_until() {
-  local secs=$1 what=$2; shift 2
-  local deadline=$((SECONDS + secs))
-  until "$@"; do
-    [ $SECONDS -lt $deadline ] || die "$what: not reached within $secs s"
-    sleep 0.5
-  done
-}
-# settle <seconds> <command...>: polls every 0.5 s; returns 1 (no exit) if not reached in time.
-settle() {
-  local deadline=$((SECONDS + $1)); shift
-  until "$@"; do [ $SECONDS -lt $deadline ] || return 1; sleep 0.5; done
-}
-# bounded <log> <command...>: runs a command in a process group of its own (stopped by the
-# cleanup if the script ends first), at most VELERO_SMOKE_TIMEOUT seconds; returns its status
-# (124: timed out).
-bounded() {
-  local log=$1 pid rc=0; shift
-  setsid timeout -k 10 "$TIMEOUT" "$@" </dev/null >"$log" 2>&1 &
-  pid=$!
-  groups+=("command:$pid:5")
-  wait "$pid" || rc=$?
-  return "$rc"
-}
-free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
-port_free() { python3 -c 'import socket,sys; s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(("", int(sys.argv[1])))' "$1" 2>/dev/null; }
 
 say "work directory: $W"
 
@@ -218,8 +134,16 @@ read -r v vdir < <("$root/scripts/install-velero.sh" "$VELERO_VERSION") || die "
 [ "$v" = "$VELERO_VERSION" ] && [ -x "$vdir/velero" ] && [ -x "$vdir/plugins/velero-plugin-for-aws" ] \
   || die "scripts/install-velero.sh $VELERO_VERSION printed '$v $vdir' without velero and plugins/velero-plugin-for-aws"
 velero=$vdir/velero
-read -r v kopia < <("$root/scripts/install-kopia.sh" "$KOPIA_VERSION") || die "scripts/install-kopia.sh failed"
-[ -x "$kopia" ] || die "scripts/install-kopia.sh printed no kopia binary"
+if [ "$UPLOADER" = kopia ]; then
+  read -r v kopia < <("$root/scripts/install-kopia.sh" "$KOPIA_VERSION") || die "scripts/install-kopia.sh failed"
+  [ -x "$kopia" ] || die "scripts/install-kopia.sh printed no kopia binary"
+  uploader_bin=$kopia uploader_version=$("$kopia" --version | head -n1 | cut -d' ' -f1)
+else
+  # The restic of PATH (Debian's; scripts/test.sh installs it): the agent runs it for the
+  # transfers, and Velero 1.16's server itself for `restic init` and `restic forget`.
+  restic=$(command -v restic) || die "restic is missing (Velero $VELERO_VERSION's server and the agent run it)"
+  uploader_bin=$restic uploader_version=$("$restic" version | cut -d' ' -f2)
+fi
 moto=${PODVOLUME_MOTO_SERVER:-$root/target/test-tools/moto/bin/moto_server}
 [ -x "$moto" ] || "$root/scripts/install-moto.sh" >&2 || die "scripts/install-moto.sh failed"
 moto_py=$(dirname "$moto")/python
@@ -230,7 +154,7 @@ else
   agent=$root/target/debug/podvolume-agent
 fi
 kubectl=$cp_bin/kubectl
-echo "  velero $("$velero" version --client-only 2>/dev/null | awk '/Version:/ { print $2; exit }'), kopia $("$kopia" --version | head -n1 | cut -d' ' -f1),"\
+echo "  velero $("$velero" version --client-only 2>/dev/null | awk '/Version:/ { print $2; exit }'), $UPLOADER $uploader_version,"\
   "kube-apiserver $("$cp_bin/kube-apiserver" --version | cut -d' ' -f2), agent $agent"
 step_end
 
@@ -257,6 +181,10 @@ keys=$("$moto_py" "$root/tests/s3/moto_setup.py" "$s3_url" "$W/s3/ca.pem" "[{\"u
   || die "moto set-up failed: $(tail -n 20 "$W/s3/moto.log")"
 (umask 077; python3 -c 'import json,sys; k = json.loads(sys.argv[1])["velero"]
 print("[default]\naws_access_key_id = %s\naws_secret_access_key = %s" % (k["accessKeyId"], k["secretAccessKey"]))' "$keys" >"$W/cloud")
+# Where Velero keeps each namespace's repository: kopia under <prefix>/kopia/<ns>/ (no
+# repoIdentifier in the PVB), restic under <prefix>/restic/<ns>, named in the PVB's repoIdentifier.
+repo_identifier=
+if [ "$UPLOADER" = restic ]; then repo_identifier=s3:$s3_url/$BUCKET/$PREFIX/restic/$APP; fi
 bucket() { "$moto_py" "$tools/bucket.py" "$s3_url" "$W/s3/ca.pem" "$W/cloud" "$BUCKET" "$@"; }
 echo "  $s3_url, bucket $BUCKET, IAM user velero (may use that bucket only)"
 step_end
@@ -286,7 +214,7 @@ vel() { "${vel_cmd[@]}" "$@"; }
 vel install --provider aws --plugins "$AWS_PLUGIN_IMAGE" --bucket "$BUCKET" --prefix "$PREFIX" \
   --secret-file "$W/cloud" --cacert "$W/s3/ca.pem" \
   --backup-location-config "region=us-east-1,s3Url=$s3_url,s3ForcePathStyle=true" \
-  --use-volume-snapshots=false --uploader-type kopia >"$W/velero-install.log" 2>&1 \
+  --use-volume-snapshots=false --uploader-type "$UPLOADER" >"$W/velero-install.log" 2>&1 \
   || die "velero install failed: $(tail -n 20 "$W/velero-install.log")"
 echo "  $(grep -c 'attempting to create resource' "$W/velero-install.log" || true) resources created by velero install"
 k apply -k "$root/daemonset/" -l app.kubernetes.io/name=podvolume-agent >"$W/daemonset-apply.log" 2>&1 \
@@ -344,7 +272,7 @@ start_velero_server() { # [log file]
   start_group velero-server 5 "$velero_log" env TMPDIR="$W/velero/tmp" HOME="$W/velero/home" \
     VELERO_SCRATCH_DIR="$W/velero/scratch" VELERO_NAMESPACE="$VNS" \
     AWS_SHARED_CREDENTIALS_FILE="$W/velero/credentials/cloud" \
-    "$velero" server --features= --uploader-type=kopia \
+    "$velero" server --features= --uploader-type="$UPLOADER" \
     --kubeconfig "$W/velero-sa.kubeconfig" --namespace "$VNS" --plugin-dir "$vdir/plugins" \
     --metrics-address "127.0.0.1:$(free_port)" --profiler-address= --log-level info
   velero_pg=${groups[-1]#*:}; velero_pg=${velero_pg%%:*}
@@ -368,7 +296,7 @@ agent_port=$(free_port)
 start_group agent 35 "$W/agent.log" env HOME="$W/agent/home" "$agent" run \
   --kubeconfig "$W/node-agent-sa.kubeconfig" --node-name "$NODE" --namespace "$VNS" \
   --host-pods-dir "$W/pods" --scratch-dir "$W/agent/scratch" --state-dir "$W/agent/state" \
-  --kopia-binary "$kopia" --listen-address "127.0.0.1:$agent_port" --log-format plain \
+  --"$UPLOADER"-binary "$uploader_bin" --listen-address "127.0.0.1:$agent_port" --log-format plain \
   --default-credentials-file "$W/agent/credentials/cloud" --update-interval 1s
 agent_pg=${groups[-1]#*:}; agent_pg=${agent_pg%%:*}
 agent_ready() {
@@ -442,7 +370,9 @@ bphase=$(k -n "$VNS" get backup b1 -o jsonpath='{.status.phase}')
 echo "  Backup b1: phase $bphase, $(k -n "$VNS" get backup b1 -o jsonpath='{.status.startTimestamp} -> {.status.completionTimestamp}, items {.status.progress.itemsBackedUp}/{.status.progress.totalItems}, errors {.status.errors}, warnings {.status.warnings}')"
 check "velero backup create --wait returned 0" [ "$brc" -eq 0 ]
 check "Backup b1 phase Completed" [ "$bphase" = Completed ]
-pycheck pvbs "$W/pvbs.json" "$W/expected.json" "$NODE"
+k get crd podvolumebackups.velero.io -o json >"$W/crd-pvb.json"
+k get crd podvolumerestores.velero.io -o json >"$W/crd-pvr.json"
+pycheck pvbs "$W/pvbs.json" "$W/expected.json" "$NODE" "$UPLOADER" "$repo_identifier" "$W/crd-pvb.json"
 # What Velero's server recorded in the bucket for each volume (the same file `velero backup
 # describe --details` shows; read directly, see tools/velero-smoke/bucket.py).
 if bucket json "$PREFIX/backups/b1/b1-volumeinfo.json.gz" >"$W/b1-volumeinfo.json" 2>"$W/bucket.err"; then
@@ -452,15 +382,15 @@ else
 fi
 brepo=$(k -n "$VNS" get backuprepositories -l "velero.io/volume-namespace=$APP" -o jsonpath='{range .items[*]}{.metadata.name} {.status.phase} {.spec.resticIdentifier}{"\n"}{end}')
 echo "  BackupRepository: $brepo"
-check "BackupRepository $APP-default-kopia Ready" grep -q "^$APP-default-kopia Ready" <<<"$brepo"
+check "BackupRepository $APP-default-$UPLOADER Ready" grep -q "^$APP-default-$UPLOADER Ready" <<<"$brepo"
 
 repo_password=$(k -n "$VNS" get secret velero-repo-credentials -o jsonpath='{.data.repository-password}' | base64 -d)
+ak=$(sed -n 's/^aws_access_key_id = //p' "$W/cloud"); sk=$(sed -n 's/^aws_secret_access_key = //p' "$W/cloud")
 # kopia_list <label>: `kopia snapshot list --all --json` of the namespace's repository, through a
 # fresh read-only connection as Velero's identity (default@default), into $W/kopia-<label>.json.
 kopia_list() {
-  local d=$W/kopia-check/$1 ak sk
+  local d=$W/kopia-check/$1
   mkdir -p "$d"
-  ak=$(sed -n 's/^aws_access_key_id = //p' "$W/cloud"); sk=$(sed -n 's/^aws_secret_access_key = //p' "$W/cloud")
   kenv=(env -i PATH="$PATH" HOME="$d" KOPIA_PASSWORD="$repo_password" AWS_ACCESS_KEY_ID="$ak"
     AWS_SECRET_ACCESS_KEY="$sk" KOPIA_CHECK_FOR_UPDATES=false KOPIA_LOG_DIR="$d/logs")
   "${kenv[@]}" "$kopia" repository connect s3 --config-file "$d/repository.config" --cache-directory "$d/cache" \
@@ -470,8 +400,23 @@ kopia_list() {
   "${kenv[@]}" "$kopia" snapshot list --all --json --config-file "$d/repository.config" >"$W/kopia-$1.json" 2>"$d/list.log" \
     || { fail "kopia snapshot list --all: $(tail -n 3 "$d/list.log")"; return 1; }
 }
-echo "  kopia repository s3://$BUCKET/$PREFIX/kopia/$APP/ as default@default:"
-if kopia_list after-backup; then pycheck kopia "$W/kopia-after-backup.json" "$W/pvbs.json" "$APP"; fi
+# restic_list <label>: `restic snapshots --json` of the namespace's repository (the PVBs'
+# repoIdentifier, Velero's CA), without a lock, into $W/restic-<label>.json.
+restic_list() {
+  local d=$W/restic-check/$1
+  mkdir -p "$d"
+  env -i PATH="$PATH" HOME="$d" RESTIC_PASSWORD="$repo_password" AWS_ACCESS_KEY_ID="$ak" AWS_SECRET_ACCESS_KEY="$sk" \
+    "$restic" --repo "$repo_identifier" --cacert "$W/s3/ca.pem" --cache-dir "$d/cache" --no-lock snapshots --json \
+    >"$W/restic-$1.json" 2>"$d/snapshots.log" \
+    || { fail "restic snapshots ($repo_identifier): $(tail -n 3 "$d/snapshots.log")"; return 1; }
+}
+if [ "$UPLOADER" = kopia ]; then
+  echo "  kopia repository s3://$BUCKET/$PREFIX/kopia/$APP/ as default@default:"
+  if kopia_list after-backup; then pycheck kopia "$W/kopia-after-backup.json" "$W/pvbs.json" "$APP"; fi
+else
+  echo "  restic repository $repo_identifier:"
+  if restic_list after-backup; then pycheck restic "$W/restic-after-backup.json" "$W/pvbs.json" "$APP"; fi
+fi
 
 # --- case 2: restore -----------------------------------------------------------------------------
 step_begin "case 2: velero restore create r1 --from-backup b1 --namespace-mappings $APP:$APP2 --wait"
@@ -496,7 +441,7 @@ else
   fail "reading $PREFIX/restores/r1/restore-r1-results.gz: $(tail -n 1 "$W/bucket.err")"
 fi
 pycheck restored-pods "$W/restored-pods.json" "$W/restore-r1.json" "$W/fake-kubelet.events" "$W/volumes.json"
-pycheck pvrs "$W/pvrs.json" "$W/pvbs.json" "$W/expected.json" "$NODE" "$W/restore-r1.json"
+pycheck pvrs "$W/pvrs.json" "$W/pvbs.json" "$W/expected.json" "$NODE" "$W/restore-r1.json" "$W/crd-pvr.json"
 k -n "$VNS" get events -o json >"$W/events.json"
 pycheck events "$W/events.json" "$W/pvbs.json" "$W/pvrs.json"
 for pv in writer/data writer/logs cache/cache; do
@@ -505,133 +450,8 @@ for pv in writer/data writer/logs cache/cache; do
   pycheck same-tree "$src" "$dst" "$APP2/$pv"
 done
 
-# --- case 6: the snapshots are interchangeable with Velero's own kopia data path ---------------------
-# Velero 1.17+'s node agent moves file-system data in a pod it creates per PodVolumeBackup/Restore
-# running `velero pod-volume backup|restore`. There is no kubelet here to run that pod, so the
-# same command runs as a host process (tools/velero-smoke/velero-data-path.sh) on objects made as
-# the node agent makes them, for a node with no agent of ours (Node $OTHER: our agent leaves its
-# objects alone). 6a: Velero's data path restores a snapshot our agent made in case 1.
-# 6b: Velero's data path backs up the same volume; our agent restores that snapshot.
-OTHER=smoke-other
-CROSS=smoke-cross
-step_begin "case 6a: Velero's own kopia data path restores the snapshot our agent made of $APP/writer/data"
-k apply -f - >/dev/null <<YAML
-apiVersion: v1
-kind: Node
-metadata: {name: $OTHER, labels: {kubernetes.io/hostname: $OTHER, kubernetes.io/os: linux}}
-YAML
-k create namespace "$CROSS" >/dev/null
-k -n "$CROSS" apply -f - >/dev/null <<YAML
-apiVersion: v1
-kind: Pod
-metadata: {name: elsewhere}
-spec:
-  nodeName: $OTHER
-  containers: [{name: app, image: busybox:1.36, command: [sleep, infinity], volumeMounts: [{name: data, mountPath: /data}]}]
-  volumes: [{name: data, emptyDir: {}}]
-YAML
-r1_uid=$(k -n "$VNS" get restore r1 -o jsonpath='{.metadata.uid}')
-ours_sid=$(k -n "$VNS" get podvolumebackups -l velero.io/backup-name=b1 -o jsonpath='{range .items[?(@.spec.volume=="data")]}{.status.snapshotID}{end}')
-elsewhere_uid=$(k -n "$CROSS" get pod elsewhere -o jsonpath='{.metadata.uid}')
-echo "  our snapshot of $APP/writer/data: $ours_sid"
-# $1 name, $2 pod namespace, $3 pod name, $4 pod uid, $5 snapshot ID
-pvr_yaml() {
-  echo "apiVersion: velero.io/v1
-kind: PodVolumeRestore
-metadata:
-  name: $1
-  namespace: $VNS
-  ownerReferences: [{apiVersion: velero.io/v1, kind: Restore, name: r1, uid: $r1_uid, controller: true}]
-spec:
-  pod: {kind: Pod, namespace: $2, name: $3, uid: $4}
-  volume: data
-  backupStorageLocation: default
-  repoIdentifier: \"\"
-  uploaderType: kopia
-  snapshotID: $5
-  sourceNamespace: $APP"
-}
-pvr_yaml velero-restores-ours "$CROSS" elsewhere "$elsewhere_uid" "$ours_sid" | k apply -f - | sed "s/^/  /"
-# What Velero's node agent does before it starts the data-mover pod: the object InProgress (the
-# CRDs have no status subresource).
-k -n "$VNS" patch podvolumerestore velero-restores-ours --type=merge \
-  -p '{"status":{"phase":"InProgress"}}' >/dev/null
-mkdir -p "$W/cross/velero-restored"
-# As the data-mover pod: the node's name, the cloud-credentials Secret (as the node agent's).
-vdp_env() { # <work dir>
-  mkdir -p "$1/tmp" "$1/home"
-  echo env NODE_NAME="$OTHER" VELERO_NAMESPACE="$VNS" TMPDIR="$1/tmp" HOME="$1/home" \
-    AWS_SHARED_CREDENTIALS_FILE="$W/velero/credentials/cloud"
-}
-vrc=0
-bounded "$W/cross/vdp-restore.log" $(vdp_env "$W/cross/vdp-restore") "$tools/velero-data-path.sh" "$W/cross/vdp-restore" "$velero" restore \
-  velero-restores-ours "$W/cross/velero-restored" -- --kubeconfig "$W/velero-sa.kubeconfig" --namespace "$VNS" \
-  || vrc=$?
-step_end
-echo "  velero pod-volume restore exited $vrc; its termination message: $(head -c 400 "$W/cross/vdp-restore/termination-log" 2>/dev/null)"
-check "Velero's data path restored our snapshot (exit 0)" [ "$vrc" -eq 0 ]
-[ "$vrc" -eq 0 ] || { echo "  --- last lines of $W/cross/vdp-restore.log"; tail -n 15 "$W/cross/vdp-restore.log" | cut -c1-300; }
-check "Velero's data path wrote the done file .velero/$r1_uid" [ -f "$W/cross/velero-restored/.velero/$r1_uid" ]
-rm -rf "$W/cross/velero-restored/.velero"
-pycheck same-tree "$(voldir "$APP" writer data)" "$W/cross/velero-restored" "Velero's restore of our snapshot"
-
-step_begin "case 6b: Velero's own kopia data path backs up $APP/writer/data; our agent restores that snapshot"
-writer_uid=$(k -n "$APP" get pod writer -o jsonpath='{.metadata.uid}')
-b1_uid=$(k -n "$VNS" get backup b1 -o jsonpath='{.metadata.uid}')
-k apply -f - >/dev/null <<YAML
-apiVersion: velero.io/v1
-kind: PodVolumeBackup
-metadata:
-  name: velero-backs-up
-  namespace: $VNS
-  ownerReferences: [{apiVersion: velero.io/v1, kind: Backup, name: b1, uid: $b1_uid, controller: true}]
-spec:
-  node: $OTHER
-  pod: {kind: Pod, namespace: $APP, name: writer, uid: $writer_uid}
-  volume: data
-  backupStorageLocation: default
-  repoIdentifier: ""
-  uploaderType: kopia
-  tags: {backup: b1, backup-uid: $b1_uid, ns: $APP, pod: writer, pod-uid: $writer_uid, volume: data}
-YAML
-k -n "$VNS" patch podvolumebackup velero-backs-up --type=merge \
-  -p '{"status":{"phase":"InProgress"}}' >/dev/null
-vrc=0
-bounded "$W/cross/vdp-backup.log" $(vdp_env "$W/cross/vdp-backup") "$tools/velero-data-path.sh" "$W/cross/vdp-backup" "$velero" backup \
-  velero-backs-up "$(voldir "$APP" writer data)" -- --kubeconfig "$W/velero-sa.kubeconfig" --namespace "$VNS" \
-  || vrc=$?
-vresult=$(cat "$W/cross/vdp-backup/termination-log" 2>/dev/null || true)
-echo "  velero pod-volume backup exited $vrc; its termination message: $(head -c 400 <<<"$vresult")"
-check "Velero's data path backed up the volume (exit 0)" [ "$vrc" -eq 0 ]
-[ "$vrc" -eq 0 ] || { echo "  --- last lines of $W/cross/vdp-backup.log"; tail -n 15 "$W/cross/vdp-backup.log" | cut -c1-300; }
-velero_sid=$(python3 -c 'import json,sys
-try: print(json.loads(sys.argv[1]).get("snapshotID", ""))
-except ValueError: print("")' "$vresult")
-check "Velero's data path names its snapshot ($velero_sid)" [ -n "$velero_sid" ]
-# Our agent restores it, into a pod of its node that Velero's restore helper waits in.
-k -n "$CROSS" apply -f - >/dev/null <<YAML
-apiVersion: v1
-kind: Pod
-metadata: {name: here}
-spec:
-  nodeName: $NODE
-  initContainers: [{name: restore-wait, image: velero/velero:v$VELERO_VERSION, command: [/velero-restore-helper], args: ["$r1_uid"], volumeMounts: [{name: data, mountPath: /restores/data}]}]
-  containers: [{name: app, image: busybox:1.36, command: [sleep, infinity], volumeMounts: [{name: data, mountPath: /data}]}]
-  volumes: [{name: data, emptyDir: {}}]
-YAML
-here_uid=$(k -n "$CROSS" get pod here -o jsonpath='{.metadata.uid}')
-pvr_yaml ours-restores-velero "$CROSS" here "$here_uid" "$velero_sid" | k apply -f - >/dev/null
-pvr_done() { case $(k -n "$VNS" get podvolumerestore ours-restores-velero -o jsonpath='{.status.phase}') in Completed|Failed|Canceled) return 0;; *) return 1;; esac; }
-settle "$TIMEOUT" pvr_done || true
-here_running() { [ "$(k -n "$CROSS" get pod here -o jsonpath='{.status.phase}')" = Running ]; }
-settle 30 here_running || true
-step_end
-echo "  PodVolumeRestore ours-restores-velero: $(k -n "$VNS" get podvolumerestore ours-restores-velero -o jsonpath='{.status.phase} {.status.message} {.status.progress}')"
-check "our agent restored Velero's snapshot: PodVolumeRestore Completed" \
-  [ "$(k -n "$VNS" get podvolumerestore ours-restores-velero -o jsonpath='{.status.phase}')" = Completed ]
-check "the restore helper saw our done file (pod $CROSS/here Running)" here_running
-pycheck same-tree "$(voldir "$APP" writer data)" "$W/pods/$here_uid/volumes/kubernetes.io~empty-dir/data" "our restore of Velero's snapshot"
-if kopia_list cross; then pycheck cross "$W/kopia-cross.json" "$ours_sid" "$velero_sid"; fi
+# --- case 6 (kopia): tools/velero-smoke/kopia-cases.sh ---------------------------------------------
+if [ "$UPLOADER" = kopia ]; then case6_interchangeable_with_velero_data_path; fi
 
 # --- case 3: delete ------------------------------------------------------------------------------
 step_begin "case 3: velero backup delete b1 --confirm (until the Backup is gone)"
@@ -644,25 +464,36 @@ check "Backup b1 deleted" [ "$gone" = 1 ]
 k -n "$VNS" get deletebackuprequests -o jsonpath='{range .items[*]}  DeleteBackupRequest {.metadata.name}: {.status.phase} {.status.errors}{"\n"}{end}' 2>/dev/null || true
 left=$(k -n "$VNS" get podvolumebackups -l velero.io/backup-name=b1 -o name | wc -l)
 echo "  PodVolumeBackups of b1 left: $left; Restores left: $(k -n "$VNS" get restores -o name | wc -l), PodVolumeRestores left: $(k -n "$VNS" get podvolumerestores -o name | wc -l)"
-if kopia_list after-delete; then pycheck gone "$W/kopia-after-delete.json" "$W/pvbs.json"; fi
-objs=$(bucket count "$PREFIX/backups/b1/" "$PREFIX/kopia/") || objs="? ?"
-echo "  objects in the bucket: $PREFIX/backups/b1/: ${objs% *}, $PREFIX/kopia/: ${objs#* }"
+# Velero forgets the backup's snapshots itself (kopia: its repository code; 1.16's restic path:
+# `restic forget` run by the server); the agent has no part in it.
+if [ "$UPLOADER" = kopia ]; then
+  if kopia_list after-delete; then pycheck gone "$W/kopia-after-delete.json" "$W/pvbs.json"; fi
+else
+  if restic_list after-delete; then pycheck gone "$W/restic-after-delete.json" "$W/pvbs.json"; fi
+fi
+objs=$(bucket count "$PREFIX/backups/b1/" "$PREFIX/$UPLOADER/") || objs="? ?"
+echo "  objects in the bucket: $PREFIX/backups/b1/: ${objs% *}, $PREFIX/$UPLOADER/: ${objs#* }"
 check "the backup's objects removed from $PREFIX/backups/b1/" [ "${objs% *}" = 0 ]
 
-# --- cases 4 and 5: Velero cancels a running backup --------------------------------------------------
-# A volume kopia takes long over: a 64 GiB sparse file (kopia reads and hashes every zero; nothing
-# new to upload), so the backup is surely mid-transfer when Velero acts.
+# --- cases 4 and 5: a running backup timed out, the server restarted ----------------------------------
+# Velero 1.17+ cancels the running PodVolumeBackup (spec.cancel); Velero 1.16 has no cancel in
+# its API (the field is not in its CRD) and leaves the PodVolumeBackup to run to its end, as its
+# own node agent would. A volume the uploader takes long over: a sparse file (read and hashed
+# zero by zero; nothing new to upload), so the backup is surely mid-transfer when Velero acts:
+# 64 GiB for kopia (canceled long before its end), 12 GiB for restic (which must finish it:
+# about 30 s here).
 SLOW=smoke-slow
 k create namespace "$SLOW" >/dev/null
 APP=$SLOW pod_yaml slow data | k apply -f - >/dev/null
 slow_running() { [ "$(k -n "$SLOW" get pod slow -o jsonpath='{.status.phase}' 2>/dev/null)" = Running ]; }
 wait_until 60 "pod $SLOW/slow Running" slow_running
 d=$(voldir "$SLOW" slow data)
-rnd "$d/head.bin" 65536; truncate -s 64G "$d/huge.img"
+if [ "$UPLOADER" = kopia ]; then slow_size=64G; else slow_size=12G; fi
+rnd "$d/head.bin" 65536; truncate -s "$slow_size" "$d/huge.img"
 pvb_of() { k -n "$VNS" get podvolumebackups -l "velero.io/backup-name=$1" -o jsonpath="{.items[0].$2}" 2>/dev/null; }
 backup_phase() { k -n "$VNS" get backup "$1" -o jsonpath='{.status.phase}' 2>/dev/null; }
 # The agent's uploaders are its children (each in a process group of its own).
-uploaders() { pgrep -P "$agent_pg" -a 2>/dev/null | grep -c -- "$kopia" || true; }
+uploaders() { pgrep -P "$agent_pg" -a 2>/dev/null | grep -c -- "$uploader_bin" || true; }
 pvb_moving() { [ "$(pvb_of "$1" status.phase)" = InProgress ] && [ "$(uploaders)" -ge 1 ]; }
 backup_backing_up_slow() { # <name> [annotations as JSON]
   k apply -f - >/dev/null <<EOF
@@ -671,7 +502,7 @@ kind: Backup
 metadata: {name: $1, namespace: $VNS, annotations: ${2:-{\}}}
 spec: {includedNamespaces: [$SLOW], storageLocation: default}
 EOF
-  wait_until "$TIMEOUT" "the PodVolumeBackup of $1 InProgress with kopia running" pvb_moving "$1"
+  wait_until "$TIMEOUT" "the PodVolumeBackup of $1 InProgress with $UPLOADER running" pvb_moving "$1"
 }
 # ended_by_cancel <backup> <case>: the PVB ends Canceled (spec.cancel set by Velero), no uploader
 # is left, our finalizer is gone, no snapshot is reported.
@@ -690,14 +521,33 @@ ended_by_cancel() {
   check "$2: no kopia process left" [ "$(uploaders)" -eq 0 ]
   check "$2: the agent's finalizer is gone" eval '! pvb_of "$b" metadata.finalizers | grep -q pod-volume-finalizer'
 }
+# ended_by_completion <backup> <case>: Velero 1.16 asks nothing more of the running PVB: it runs
+# to its end and is Completed with its snapshot, no uploader is left, our finalizer is gone.
+ended_by_completion() {
+  local b=$1 phase t0=$SECONDS
+  pvb_terminal() { case "$(pvb_of "$b" status.phase)" in Completed | Failed | Canceled) return 0 ;; *) return 1 ;; esac; }
+  settle "$TIMEOUT" pvb_terminal || true
+  phase=$(pvb_of "$b" status.phase)
+  echo "  PodVolumeBackup $(pvb_of "$b" metadata.name): phase $phase after $((SECONDS - t0)) s more, snapshotID $(pvb_of "$b" status.snapshotID),"\
+    "progress $(pvb_of "$b" status.progress), message: $(pvb_of "$b" status.message | cut -c1-200)"
+  check "$2: the PodVolumeBackup has no spec.cancel (not in Velero $VELERO_VERSION's CRD)" [ -z "$(pvb_of "$b" spec.cancel)" ]
+  check "$2: the PodVolumeBackup runs to its end: Completed" [ "$phase" = Completed ]
+  check "$2: its snapshotID is reported" [ -n "$(pvb_of "$b" status.snapshotID)" ]
+  no_uploader() { [ "$(uploaders)" -eq 0 ]; }
+  settle 30 no_uploader || true
+  check "$2: no restic process left" [ "$(uploaders)" -eq 0 ]
+  check "$2: the agent's finalizer is gone" eval '! pvb_of "$b" metadata.finalizers | grep -q pod-volume-finalizer'
+}
+if [ "$UPLOADER" = kopia ]; then ended_by_velero=ended_by_cancel; else ended_by_velero=ended_by_completion; fi
 
-step_begin "case 4: a backup timed out by Velero mid-transfer (annotation velero.io/pod-volume-timeout: 20s)"
-backup_backing_up_slow b-timeout '{velero.io/pod-volume-timeout: 20s}'
+if [ "$UPLOADER" = kopia ]; then slow_timeout=20s; else slow_timeout=10s; fi
+step_begin "case 4: a backup timed out by Velero mid-transfer (annotation velero.io/pod-volume-timeout: $slow_timeout)"
+backup_backing_up_slow b-timeout "{velero.io/pod-volume-timeout: $slow_timeout}"
 backup_ended() { case "$(backup_phase "$1")" in Completed | PartiallyFailed | Failed) return 0 ;; *) return 1 ;; esac; }
 settle "$TIMEOUT" backup_ended b-timeout || true
 echo "  Backup b-timeout: phase $(backup_phase b-timeout), errors $(k -n "$VNS" get backup b-timeout -o jsonpath='{.status.errors}')"
 check "Backup b-timeout ends PartiallyFailed (its volume timed out)" [ "$(backup_phase b-timeout)" = PartiallyFailed ]
-ended_by_cancel b-timeout "timeout"
+"$ended_by_velero" b-timeout "timeout"
 step_end
 
 step_begin "case 5: the Velero server restarted mid-backup"
@@ -708,8 +558,8 @@ start_velero_server "$W/velero-server-2.log"
 wait_until "$TIMEOUT" "BackupStorageLocation default Available after the restart" bsl_available
 settle "$TIMEOUT" backup_ended b-restart || true
 echo "  Backup b-restart: phase $(backup_phase b-restart), failureReason: $(k -n "$VNS" get backup b-restart -o jsonpath='{.status.failureReason}')"
-check "Backup b-restart ends Failed (Velero fails backups it finds InProgress at start)" [ "$(backup_phase b-restart)" = Failed ]
-ended_by_cancel b-restart "server restart"
+check "Backup b-restart ends Failed (a restart of the server fails the backup it was running)" [ "$(backup_phase b-restart)" = Failed ]
+"$ended_by_velero" b-restart "server restart"
 step_end
 
 # --- the agent itself --------------------------------------------------------------------------------
@@ -722,78 +572,14 @@ echo "  agent log: $(wc -l <"$W/agent.log") lines, $n_err ERROR, $n_warn WARN"
 grep -E ' (ERROR|WARN) ' "$W/agent.log" | cut -c1-300 | head -n 20 | sed 's/^/  | /' || true
 check "no ERROR line in the agent's log" [ "$n_err" -eq 0 ]
 home_files=$(find "$W/agent/home" -mindepth 1 | wc -l)
-check "the agent and its kopia wrote nothing under HOME (read-only root filesystem in the DaemonSet)" [ "$home_files" -eq 0 ]
+check "the agent and its $UPLOADER wrote nothing under HOME (read-only root filesystem in the DaemonSet)" [ "$home_files" -eq 0 ]
 verr=$(grep -c 'level=error' "$W/velero-server.log" || true)
 echo "  velero server log: $(wc -l <"$W/velero-server.log") lines, $verr level=error (the first two, before the first BSL validation, are normal):"
 grep 'level=error' "$W/velero-server.log" | sed -E 's/^time="[^"]*" //' | cut -c1-300 | head -n 10 | sed 's/^/  | /' || true
 curl -fsS "http://127.0.0.1:$agent_port/metrics" 2>/dev/null | grep -E '^podvolume_agent_(operations|status_writes)_total' | sed 's/^/  metric /' || true
 
-# --- case 7: Velero's own node agent started beside ours on the same node ---------------------------
-# Why the README says never to run the two on one node, shown rather than read from Velero's
-# source: (a) at its start, Velero's node agent takes an InProgress PodVolumeBackup of its node
-# that it cannot resume (ours: there is no data-mover pod of its own) and sets spec.cancel on it;
-# (b) a new PodVolumeBackup is then claimed by both (reported, not asserted: who wins is a race).
-# velero server and Velero's node agent both bind controller-runtime's metrics port :8080 (no
-# flag moves it): the server, not needed any more, is stopped first.
-step_begin "case 7: Velero's own node agent (velero node-agent server) started on $NODE while our agent backs up"
-stop_group velero-server "$velero_pg" 5
-port_free 8080 || die "port 8080 still taken after stopping velero server"
-slow_uid=$(k -n "$SLOW" get pod slow -o jsonpath='{.metadata.uid}')
-bt_uid=$(k -n "$VNS" get backup b-timeout -o jsonpath='{.metadata.uid}')
-# $1 name, $2 backup label, $3 pod namespace, $4 pod, $5 pod uid: a PodVolumeBackup as Velero
-# 1.18's server makes it, owned by the (ended) Backup b-timeout so the collector keeps it.
-pvb_yaml() {
-  echo "apiVersion: velero.io/v1
-kind: PodVolumeBackup
-metadata:
-  name: $1
-  namespace: $VNS
-  labels: {velero.io/backup-name: $2, velero.io/backup-uid: $bt_uid}
-  ownerReferences: [{apiVersion: velero.io/v1, kind: Backup, name: b-timeout, uid: $bt_uid, controller: true}]
-spec:
-  node: $NODE
-  pod: {kind: Pod, namespace: $3, name: $4, uid: $5}
-  volume: data
-  backupStorageLocation: default
-  repoIdentifier: \"\"
-  uploaderType: kopia
-  tags: {backup: $2, backup-uid: $bt_uid, ns: $3, pod: $4, pod-uid: $5, volume: data}"
-}
-pvb_yaml beside-1 b-beside "$SLOW" slow "$slow_uid" | k apply -f - >/dev/null
-wait_until "$TIMEOUT" "PodVolumeBackup beside-1 InProgress with kopia running" pvb_moving b-beside
-mkdir -p "$W/velero-node-agent/tmp" "$W/velero-node-agent/home"
-start_group velero-node-agent 5 "$W/velero-node-agent.log" env NODE_NAME="$NODE" VELERO_NAMESPACE="$VNS" \
-  TMPDIR="$W/velero-node-agent/tmp" HOME="$W/velero-node-agent/home" \
-  AWS_SHARED_CREDENTIALS_FILE="$W/velero/credentials/cloud" \
-  "$velero" node-agent server --kubeconfig "$W/velero-sa.kubeconfig" --namespace "$VNS" \
-  --metrics-address "127.0.0.1:$(free_port)" --log-level info
-vna_pg=${groups[-1]#*:}; vna_pg=${vna_pg%%:*}
-ended_by_cancel b-beside "Velero's node agent started"
-vna_said=$(grep -F 'beside-1' "$W/velero-node-agent.log" | grep -F 'have to cancel it' | sed -E 's/^time="[^"]*" //' | head -n 1 | cut -c1-250)
-echo "  Velero's node agent: ${vna_said:-(nothing about beside-1)}"
-check "Velero's node agent canceled our running backup at its start (\"Failed to resume data path for PVB, have to cancel it\")" [ -n "$vna_said" ]
-
-# (b) both running: a new PodVolumeBackup of a small volume.
-writer_uid=$(k -n "$APP" get pod writer -o jsonpath='{.metadata.uid}')
-pvb_yaml beside-2 b-beside-2 "$APP" writer "$writer_uid" | k apply -f - >/dev/null
-pvb2_terminal() { case "$(pvb_of b-beside-2 status.phase)" in Completed | Failed | Canceled) return 0 ;; *) return 1 ;; esac; }
-settle 30 pvb2_terminal || true
-k -n "$VNS" get podvolumebackup beside-2 -o json --show-managed-fields >"$W/beside-2.json"
-python3 - "$W/beside-2.json" <<'PY' | sed 's/^/  observed: /'
-import json, sys
-o = json.load(open(sys.argv[1]))
-st = o.get("status") or {}
-print(f"PodVolumeBackup beside-2 after 30 s with both agents: phase {st.get('phase')!r}, "
-      f"message {(st.get('message') or '')[:160]!r}, snapshotID {st.get('snapshotID')!r}")
-writers = sorted({m.get("manager") for m in o["metadata"].get("managedFields", [])
-                  if "f:status" in json.dumps(m.get("fieldsV1", {}))})
-print(f"status written by: {', '.join(w for w in writers if w)}")
-PY
-movers=$(k -n "$VNS" get pods -o name 2>/dev/null | grep -c beside-2 || true)
-echo "  observed: data-mover pods Velero's node agent created for beside-2: $movers"
-check "Velero's node agent is still running (it ran beside ours for the whole case)" group_alive "$vna_pg"
-stop_group velero-node-agent "$vna_pg" 5
-step_end
+# --- case 7 (kopia): tools/velero-smoke/kopia-cases.sh ---------------------------------------------
+if [ "$UPLOADER" = kopia ]; then case7_velero_node_agent_beside_ours; fi
 
 # --- summary -------------------------------------------------------------------------------------
 echo

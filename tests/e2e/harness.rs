@@ -42,7 +42,8 @@ pub const OTHER_NODE: &str = "e2e-node-b";
 pub enum Flavour {
     /// Velero's own (1.17+): no status subresource, eight phases.
     Velero,
-    /// Velero 1.16 and older (`velero-crds/v1.15/`): no status subresource, and only the
+    /// Velero 1.16 and older (1.16.2's `velero install --crds-only`, as 1.15's in
+    /// `velero-crds/v1.15/`): no status subresource, and only the
     /// phases New, InProgress, Completed and Failed.
     Velero116,
     /// The project's: status subresource, printer columns.

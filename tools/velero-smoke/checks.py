@@ -4,12 +4,14 @@ Each check prints one line, "  PASS <what>" or "  FAIL <what>: <why>", figures a
 indented below; the exit status is 1 when any check failed.
 
 usage: checks.py tree DIR                               JSON manifest of a volume directory
-       checks.py pvbs PVBS.json EXPECTED.json NODE        the PodVolumeBackups of a backup
+       checks.py pvbs PVBS.json EXPECTED.json NODE UPLOADER REPO_IDENTIFIER CRD.json
+                                                          the PodVolumeBackups of a backup
        checks.py kopia SNAPSHOTS.json PVBS.json NS        kopia's snapshot list against them
+       checks.py restic SNAPSHOTS.json PVBS.json NS       restic's snapshot list against them
        checks.py restored-pods PODS.json RESTORE.json EVENTS.jsonl VOLUMES.json
-       checks.py pvrs PVRS.json PVBS.json EXPECTED.json NODE RESTORE.json
+       checks.py pvrs PVRS.json PVBS.json EXPECTED.json NODE RESTORE.json CRD.json
        checks.py same-tree SRC DST LABEL                  byte-for-byte, modes and mtimes
-       checks.py gone SNAPSHOTS.json PVBS.json            no snapshot of those PVBs is left
+       checks.py gone SNAPSHOTS.json PVBS.json            no snapshot of those PVBs is left (kopia or restic)
        checks.py cross SNAPSHOTS.json OURS VELEROS        our and Velero's manifest of one volume agree
 """
 import datetime
@@ -90,7 +92,14 @@ def volume_key(obj):
     return f"{obj['spec']['pod']['name']}/{obj['spec']['volume']}"
 
 
-def transfer_checks(kind, items, expected, node):
+def status_fields(crd):
+    """The status fields the served CRD's schema has (the API server drops any other)."""
+    v = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    return set((v["properties"].get("status") or {}).get("properties") or {})
+
+
+def transfer_checks(kind, items, expected, node, crd, uploader="kopia", repo_identifier=""):
+    fields = status_fields(crd)
     by_key = {volume_key(i): i for i in items}
     check(sorted(by_key) == sorted(expected), f"one {kind} per volume ({len(expected)})",
           f"got {sorted(by_key)}, expected {sorted(expected)}")
@@ -117,16 +126,30 @@ def transfer_checks(kind, items, expected, node):
         check("velero.io/pod-volume-finalizer" not in (o["metadata"].get("finalizers") or []),
               f"{kind} {key} finalizer removed", str(o["metadata"].get("finalizers")))
         if kind == "PodVolumeBackup":
-            check(o["spec"].get("node") == node and o["spec"].get("uploaderType") == "kopia"
-                  and o["spec"].get("repoIdentifier", "") == "",
-                  f"{kind} {key} is Velero 1.18's kopia request (spec.node {node}, uploaderType kopia, no repoIdentifier)",
+            check(o["spec"].get("node") == node and o["spec"].get("uploaderType") == uploader
+                  and o["spec"].get("repoIdentifier", "") == repo_identifier,
+                  f"{kind} {key} is Velero's {uploader} request (spec.node {node}, uploaderType {uploader}, "
+                  f"repoIdentifier {repo_identifier!r})",
                   json.dumps({k: o["spec"].get(k) for k in ("node", "uploaderType", "repoIdentifier")}))
             check(bool(st.get("snapshotID")), f"{kind} {key} has a snapshotID", "empty")
-            # The volume's first backup: every byte read, none from a parent (exact for kopia).
-            check(st.get("incrementalBytes") == want, f"{kind} {key} incrementalBytes == bytes written (a first backup)",
-                  f"incrementalBytes {st.get('incrementalBytes')!r}")
-        else:
+            inc = st.get("incrementalBytes")
+            if "incrementalBytes" not in fields:
+                # Velero <= 1.16's CRD: the API server drops the field the agent writes.
+                check(inc is None, f"{kind} {key} has no incrementalBytes (not in this Velero's CRD)", repr(inc))
+            elif uploader == "kopia":
+                # The volume's first backup: every byte read, none from a parent (exact for kopia).
+                check(inc == want, f"{kind} {key} incrementalBytes == bytes written (a first backup)",
+                      f"incrementalBytes {inc!r}")
+            else:
+                # restic's data_added: every file byte of a first backup plus its tree blobs.
+                check(isinstance(inc, int) and want <= inc <= want + 65536,
+                      f"{kind} {key} incrementalBytes {inc} = bytes written {want} + restic's tree blobs "
+                      f"(a first backup)", f"incrementalBytes {inc!r}")
+        elif "node" in fields:
             check(st.get("node") == node, f"{kind} {key} status.node is {node}", repr(st.get("node")))
+        else:
+            # Velero <= 1.16's CRD has no status.node: the API server drops what the agent writes.
+            check(st.get("node") is None, f"{kind} {key} has no status.node (not in this Velero's CRD)", repr(st.get("node")))
     return by_key
 
 
@@ -137,8 +160,29 @@ def main():
         print(json.dumps({k: list(v) for k, v in t.items()}))
         return
     if cmd == "pvbs":
-        pvbs, expected, node = load(args[0])["items"], load(args[1]), args[2]
-        transfer_checks("PodVolumeBackup", pvbs, expected, node)
+        pvbs, expected, node, uploader, repo, crd = (load(args[0])["items"], load(args[1]), args[2], args[3],
+                                                     args[4], load(args[5]))
+        transfer_checks("PodVolumeBackup", pvbs, expected, node, crd, uploader, repo)
+    elif cmd == "restic":
+        snaps, pvbs, ns = load(args[0]) or [], load(args[1])["items"], args[2]
+        by_id = {s["id"]: s for s in snaps}
+        info(f"restic snapshots: {len(snaps)} snapshot(s)")
+        for s in snaps:
+            info(f"  {s['id'][:16]} host={s.get('hostname')} paths={s.get('paths')} tags={s.get('tags')} "
+                 f"parent={(s.get('parent') or '')[:16]}")
+        for p in pvbs:
+            key, sid = volume_key(p), (p.get("status") or {}).get("snapshotID") or ""
+            # A restic snapshot ID in a PVB is restic's short ID (Velero's restic path wrote it so).
+            s = by_id.get(sid) or next((x for x in snaps if sid and x["id"].startswith(sid)), None)
+            if not check(s is not None, f"restic snapshot {sid[:16]} of {key} is in the repository",
+                         f"not among {sorted(by_id)}"):
+                continue
+            check(s.get("hostname") == "velero", f"snapshot {sid[:16]} has host velero (Velero's)", s.get("hostname"))
+            tags = dict(t.split("=", 1) for t in s.get("tags") or [] if "=" in t)
+            want = {"backup": p["metadata"]["labels"].get("velero.io/backup-name"), "ns": ns,
+                    "pod": p["spec"]["pod"]["name"], "volume": p["spec"]["volume"]}
+            check(all(tags.get(k) == v for k, v in want.items()),
+                  f"snapshot {sid[:16]} carries the PVB's tags {want}", json.dumps(tags))
     elif cmd == "kopia":
         snaps, pvbs, ns = load(args[0]), load(args[1])["items"], args[2]
         by_id = {s["id"]: s for s in snaps}
@@ -231,9 +275,9 @@ def main():
             check(p.get("status", {}).get("phase") == "Running", f"pod {name} Running after the helper exited",
                   p.get("status", {}).get("phase"))
     elif cmd == "pvrs":
-        pvrs, pvbs, expected, node, restore = (load(args[0])["items"], load(args[1])["items"], load(args[2]),
-                                               args[3], load(args[4]))
-        by_key = transfer_checks("PodVolumeRestore", pvrs, expected, node)
+        pvrs, pvbs, expected, node, restore, crd = (load(args[0])["items"], load(args[1])["items"], load(args[2]),
+                                                    args[3], load(args[4]), load(args[5]))
+        by_key = transfer_checks("PodVolumeRestore", pvrs, expected, node, crd)
         snap = {volume_key(p): p["status"].get("snapshotID") for p in pvbs}
         for key, o in sorted(by_key.items()):
             check(o["spec"].get("snapshotID") == snap.get(key),
@@ -278,12 +322,13 @@ def main():
         info(f"Velero's backup after ours: {st.get('cachedFiles')} of {st.get('fileCount')} files taken from a parent "
              f"snapshot without reading them ({'our snapshot served as its parent' if st.get('cachedFiles') else 'no parent: every file re-read'})")
     elif cmd == "gone":
-        snaps, pvbs = load(args[0]), load(args[1])["items"]
+        snaps, pvbs = load(args[0]) or [], load(args[1])["items"]
         ids = {s["id"] for s in snaps}
-        info(f"kopia snapshot list --all after the delete: {len(snaps)} manifest(s) {sorted(ids)}")
+        info(f"snapshots in the repository after the delete: {len(snaps)} {sorted(ids)}")
         for p in pvbs:
             sid = p["status"].get("snapshotID")
-            check(sid not in ids, f"kopia manifest {sid} ({volume_key(p)}) deleted from the repository")
+            check(sid and not any(i.startswith(sid) for i in ids),
+                  f"snapshot {sid} ({volume_key(p)}) deleted from the repository")
     else:
         sys.exit(f"unknown command {cmd}")
     sys.exit(1 if failed else 0)

@@ -1,0 +1,112 @@
+# Shared by scripts/velero-smoke.sh and the case files beside this one (sourced, never run): the
+# report (PASS/FAIL, timed steps), the process groups every long-running process gets and the
+# cleanup that stops them, and the polling helpers. Uses the caller's globals W (work directory),
+# root, tools and TIMEOUT.
+t_start=$(date +%s.%N)
+elapsed() { awk -v a="$1" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }'; }
+say() { printf '[%6ss] %s\n' "$(elapsed "$t_start")" "$*"; }
+
+failures=0
+pass() { echo "  PASS $*"; }
+fail() { echo "  FAIL $*"; failures=$((failures + 1)); }
+# check <what> <command...>: PASS/FAIL by the command's status.
+check() { local what=$1; shift; if "$@"; then pass "$what"; else fail "$what"; fi; }
+# Runs tools/velero-smoke/checks.py and counts its FAIL lines (a crash counts as one).
+pycheck() {
+  local out rc=0 n
+  out=$(python3 "$tools/checks.py" "$@" 2>&1) || rc=$?
+  echo "$out"
+  n=$(grep -c '^  FAIL' <<<"$out" || true)
+  if [ "$rc" -ne 0 ] && [ "$n" -eq 0 ]; then n=1; echo "  FAIL checks.py $1 exited $rc"; fi
+  failures=$((failures + n))
+}
+
+steps=()
+step_begin() { step_name=$1; step_t0=$(date +%s.%N); say "== $1"; }
+step_end() {
+  local d; d=$(elapsed "$step_t0")
+  steps+=("$(printf '%7s s  %s' "$d" "$step_name")")
+  say "   $step_name: $d s"
+}
+
+
+# --- processes and cleanup -----------------------------------------------------------------------
+# Each long-running process is started with setsid (its own process group, PGID = its PID: a
+# background child of a script is no group leader, so setsid execs in place) and recorded as
+# name:pgid:grace. Cleanup stops the groups newest first: SIGTERM, SIGKILL after grace seconds.
+groups=()
+cp_started=0
+start_group() {
+  local name=$1 grace=$2 log=$3; shift 3
+  setsid "$@" </dev/null >"$log" 2>&1 &
+  groups+=("$name:$!:$grace")
+}
+group_alive() { # any non-zombie process in group $1
+  ps -e -o pgid=,stat= | awk -v g="$1" '$1 == g && $2 !~ /^Z/ { found = 1 } END { exit !found }'
+}
+stopped=()
+stop_group() {
+  local name=$1 pg=$2 grace=$3 i t0
+  group_alive "$pg" || { wait "$pg" 2>/dev/null || true; return 0; }
+  t0=$(date +%s.%N)
+  kill -TERM -- "-$pg" 2>/dev/null || true
+  for ((i = 0; i < grace * 5; i++)); do group_alive "$pg" || break; sleep 0.2; done
+  if group_alive "$pg"; then
+    echo "cleanup: $name (process group $pg) still running ${grace} s after SIGTERM: SIGKILL" >&2
+    kill -KILL -- "-$pg" 2>/dev/null || true
+  fi
+  wait "$pg" 2>/dev/null || true
+  stopped+=("$name $(elapsed "$t0") s")
+}
+cleanup() {
+  local rc=$? i name pg grace
+  set +e
+  trap - EXIT INT TERM
+  for ((i = ${#groups[@]} - 1; i >= 0; i--)); do
+    IFS=: read -r name pg grace <<<"${groups[i]}"
+    stop_group "$name" "$pg" "$grace"
+  done
+  if [ "$cp_started" = 1 ]; then "$root/scripts/start-control-plane.sh" --stop "$W/cp" >>"$W/control-plane.log" 2>&1; fi
+  [ ${#stopped[@]} -eq 0 ] || echo "cleanup: stopped (SIGTERM to exit) $(IFS=,; echo "${stopped[*]}" | sed 's/,/, /g'); control plane"
+  if [ "$rc" -eq 0 ] && [ "$failures" -eq 0 ] && [ "${VELERO_SMOKE_KEEP:-0}" != 1 ]; then
+    rm -rf "$W"
+  else
+    echo "work directory kept: $W (velero-server.log, agent.log, fake-kubelet.log, s3/moto.log, cp/*.log)"
+  fi
+  exit "$rc"
+}
+
+die() {
+  echo "FATAL: $*"
+  for f in agent.log velero-server.log fake-kubelet.log; do
+    [ -f "$W/$f" ] && { echo "--- last lines of $W/$f"; tail -n 25 "$W/$f"; }
+  done
+  exit 1
+}
+# wait_until <seconds> <what> <command...>: polls every 0.5 s.
+wait_until() {
+  local secs=$1 what=$2; shift 2
+  local deadline=$((SECONDS + secs))
+  until "$@"; do
+    [ $SECONDS -lt $deadline ] || die "$what: not reached within $secs s"
+    sleep 0.5
+  done
+}
+# settle <seconds> <command...>: polls every 0.5 s; returns 1 (no exit) if not reached in time.
+settle() {
+  local deadline=$((SECONDS + $1)); shift
+  until "$@"; do [ $SECONDS -lt $deadline ] || return 1; sleep 0.5; done
+}
+# bounded <log> <command...>: runs a command in a process group of its own (stopped by the
+# cleanup if the script ends first), at most VELERO_SMOKE_TIMEOUT seconds; returns its status
+# (124: timed out).
+bounded() {
+  local log=$1 pid rc=0; shift
+  setsid timeout -k 10 "$TIMEOUT" "$@" </dev/null >"$log" 2>&1 &
+  pid=$!
+  groups+=("command:$pid:5")
+  wait "$pid" || rc=$?
+  return "$rc"
+}
+free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+port_free() { python3 -c 'import socket,sys; s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(("", int(sys.argv[1])))' "$1" 2>/dev/null; }
