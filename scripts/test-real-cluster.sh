@@ -47,9 +47,10 @@ if [ -z "${PODVOLUME_TEST_KOPIA:-}" ]; then
 fi
 
 cp_dir=$(mktemp -d /tmp/podvolume-cp.XXXXXX)
+cp_stopped=0
 stop() {
   local rc=$?
-  CONTROL_PLANE_BIN=$cp_bin scripts/start-control-plane.sh --stop "$cp_dir" >&2 || true
+  [ "$cp_stopped" = 1 ] || CONTROL_PLANE_BIN=$cp_bin scripts/start-control-plane.sh --stop "$cp_dir" >&2 || true
   if [ "$rc" -ne 0 ]; then
     for f in kube-apiserver etcd kube-controller-manager; do
       echo "--- last lines of $cp_dir/$f.log" >&2
@@ -112,6 +113,7 @@ subresources=$(k get crd podvolumebackups.velero.io -o jsonpath='{.spec.versions
 echo "== the agent (e2e) and kubectl-podvolume on the real API server with the project's CRDs (daemonset/crds.yaml, subresources $subresources) =="
 timeout --kill-after=30 1200 cargo test --test plugin --test e2e -- _our_crds status_subresource
 CONTROL_PLANE_BIN=$cp_bin scripts/start-control-plane.sh --stop "$cp_dir" >&2
+cp_stopped=1 # the smokes start control planes of their own
 
 echo "== the real Velero $velero_version server as the agent's client (scripts/velero-smoke.sh) =="
 cargo build --quiet --bin podvolume-agent

@@ -504,41 +504,31 @@ spec: {includedNamespaces: [$SLOW], storageLocation: default}
 EOF
   wait_until "$TIMEOUT" "the PodVolumeBackup of $1 InProgress with $UPLOADER running" pvb_moving "$1"
 }
-# ended_by_cancel <backup> <case>: the PVB ends Canceled (spec.cancel set by Velero), no uploader
-# is left, our finalizer is gone, no snapshot is reported.
-ended_by_cancel() {
+# ended_by_velero <backup> <case>: what the PVB ends as once Velero has acted. Velero 1.17+ sets
+# spec.cancel: the PVB ends Canceled with no snapshot. Velero 1.16 has no cancel and asks nothing
+# more of a running PVB: it runs to its end, Completed with its snapshot. Either way no uploader
+# is left and our finalizer is gone.
+ended_by_velero() {
   local b=$1 phase t0=$SECONDS
   pvb_terminal() { case "$(pvb_of "$b" status.phase)" in Completed | Failed | Canceled) return 0 ;; *) return 1 ;; esac; }
   settle "$TIMEOUT" pvb_terminal || true
   phase=$(pvb_of "$b" status.phase)
   echo "  PodVolumeBackup $(pvb_of "$b" metadata.name): phase $phase after $((SECONDS - t0)) s more, spec.cancel=$(pvb_of "$b" spec.cancel),"\
-    "message: $(pvb_of "$b" status.message | cut -c1-200)"
-  check "$2: Velero set spec.cancel on the PodVolumeBackup" [ "$(pvb_of "$b" spec.cancel)" = true ]
-  check "$2: the PodVolumeBackup ends Canceled" [ "$phase" = Canceled ]
-  check "$2: no snapshotID is reported for the canceled transfer" [ -z "$(pvb_of "$b" status.snapshotID)" ]
+    "snapshotID $(pvb_of "$b" status.snapshotID), progress $(pvb_of "$b" status.progress), message: $(pvb_of "$b" status.message | cut -c1-200)"
+  if [ "$UPLOADER" = kopia ]; then
+    check "$2: Velero set spec.cancel on the PodVolumeBackup" [ "$(pvb_of "$b" spec.cancel)" = true ]
+    check "$2: the PodVolumeBackup ends Canceled" [ "$phase" = Canceled ]
+    check "$2: no snapshotID is reported for the canceled transfer" [ -z "$(pvb_of "$b" status.snapshotID)" ]
+  else
+    check "$2: the PodVolumeBackup has no spec.cancel (not in Velero $VELERO_VERSION's CRD)" [ -z "$(pvb_of "$b" spec.cancel)" ]
+    check "$2: the PodVolumeBackup runs to its end: Completed" [ "$phase" = Completed ]
+    check "$2: its snapshotID is reported" [ -n "$(pvb_of "$b" status.snapshotID)" ]
+  fi
   no_uploader() { [ "$(uploaders)" -eq 0 ]; }
   settle 30 no_uploader || true
-  check "$2: no kopia process left" [ "$(uploaders)" -eq 0 ]
+  check "$2: no $UPLOADER process left" [ "$(uploaders)" -eq 0 ]
   check "$2: the agent's finalizer is gone" eval '! pvb_of "$b" metadata.finalizers | grep -q pod-volume-finalizer'
 }
-# ended_by_completion <backup> <case>: Velero 1.16 asks nothing more of the running PVB: it runs
-# to its end and is Completed with its snapshot, no uploader is left, our finalizer is gone.
-ended_by_completion() {
-  local b=$1 phase t0=$SECONDS
-  pvb_terminal() { case "$(pvb_of "$b" status.phase)" in Completed | Failed | Canceled) return 0 ;; *) return 1 ;; esac; }
-  settle "$TIMEOUT" pvb_terminal || true
-  phase=$(pvb_of "$b" status.phase)
-  echo "  PodVolumeBackup $(pvb_of "$b" metadata.name): phase $phase after $((SECONDS - t0)) s more, snapshotID $(pvb_of "$b" status.snapshotID),"\
-    "progress $(pvb_of "$b" status.progress), message: $(pvb_of "$b" status.message | cut -c1-200)"
-  check "$2: the PodVolumeBackup has no spec.cancel (not in Velero $VELERO_VERSION's CRD)" [ -z "$(pvb_of "$b" spec.cancel)" ]
-  check "$2: the PodVolumeBackup runs to its end: Completed" [ "$phase" = Completed ]
-  check "$2: its snapshotID is reported" [ -n "$(pvb_of "$b" status.snapshotID)" ]
-  no_uploader() { [ "$(uploaders)" -eq 0 ]; }
-  settle 30 no_uploader || true
-  check "$2: no restic process left" [ "$(uploaders)" -eq 0 ]
-  check "$2: the agent's finalizer is gone" eval '! pvb_of "$b" metadata.finalizers | grep -q pod-volume-finalizer'
-}
-if [ "$UPLOADER" = kopia ]; then ended_by_velero=ended_by_cancel; else ended_by_velero=ended_by_completion; fi
 
 if [ "$UPLOADER" = kopia ]; then slow_timeout=20s; else slow_timeout=10s; fi
 step_begin "case 4: a backup timed out by Velero mid-transfer (annotation velero.io/pod-volume-timeout: $slow_timeout)"
@@ -547,7 +537,7 @@ backup_ended() { case "$(backup_phase "$1")" in Completed | PartiallyFailed | Fa
 settle "$TIMEOUT" backup_ended b-timeout || true
 echo "  Backup b-timeout: phase $(backup_phase b-timeout), errors $(k -n "$VNS" get backup b-timeout -o jsonpath='{.status.errors}')"
 check "Backup b-timeout ends PartiallyFailed (its volume timed out)" [ "$(backup_phase b-timeout)" = PartiallyFailed ]
-"$ended_by_velero" b-timeout "timeout"
+ended_by_velero b-timeout "timeout"
 step_end
 
 step_begin "case 5: the Velero server restarted mid-backup"
@@ -559,7 +549,7 @@ wait_until "$TIMEOUT" "BackupStorageLocation default Available after the restart
 settle "$TIMEOUT" backup_ended b-restart || true
 echo "  Backup b-restart: phase $(backup_phase b-restart), failureReason: $(k -n "$VNS" get backup b-restart -o jsonpath='{.status.failureReason}')"
 check "Backup b-restart ends Failed (a restart of the server fails the backup it was running)" [ "$(backup_phase b-restart)" = Failed ]
-"$ended_by_velero" b-restart "server restart"
+ended_by_velero b-restart "server restart"
 step_end
 
 # --- the agent itself --------------------------------------------------------------------------------
