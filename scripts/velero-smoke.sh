@@ -13,7 +13,8 @@
 #   - etcd + kube-apiserver + kube-controller-manager (scripts/start-control-plane.sh);
 #   - tools/velero-smoke/fake_kubelet.py: the scheduler and kubelet of one node, smoke-node (there
 #     is no kubelet): binds pods, creates their emptyDir directories under <work>/pods/<pod-uid>/
-#     volumes/kubernetes.io~empty-dir/, writes pod status as a kubelet does, and runs Velero's
+#     volumes/kubernetes.io~empty-dir/ (a claim's CSI volume: kubernetes.io~csi/<pv>/mount),
+#     writes pod status as a kubelet does, and runs Velero's
 #     restore helper init container as velero-restore-helper does (waits for .velero/<restore
 #     UID> in every volume, removes .velero, exits 0);
 #   - `velero install` (the real CLI, no node agent) against that API server, then the agent's
@@ -42,6 +43,11 @@
 #      trees identical (sha256, modes, mtimes).
 #   3. delete: `velero backup delete b1 --confirm` -> the Backup gone, its snapshots gone from
 #      the repository (kopia manifests deleted; restic snapshots forgotten by the server).
+#   8. (run after 3) incremental: a claim bound to a CSI PersistentVolume, its volume at
+#      kubernetes.io~csi/<pv>/mount; two backups with a file added between: both PVBs labelled
+#      velero.io/pvc-uid by Velero and Completed with exact bytes; the second incremental from the
+#      first (restic: the agent chose the first's snapshot as --parent, as its log says, and
+#      restic recorded it; kopia: incrementalBytes is the added file only).
 #   4. timeout: a Backup with the annotation velero.io/pod-volume-timeout of a volume the
 #      uploader takes long over (a sparse file) -> the Backup ends PartiallyFailed. 1.18 (20 s,
 #      64 GiB): Velero sets spec.cancel on the running PodVolumeBackup ("Cancel PVB on pod
@@ -400,15 +406,15 @@ kopia_list() {
   "${kenv[@]}" "$kopia" snapshot list --all --json --config-file "$d/repository.config" >"$W/kopia-$1.json" 2>"$d/list.log" \
     || { fail "kopia snapshot list --all: $(tail -n 3 "$d/list.log")"; return 1; }
 }
-# restic_list <label>: `restic snapshots --json` of the namespace's repository (the PVBs'
-# repoIdentifier, Velero's CA), without a lock, into $W/restic-<label>.json.
+# restic_list <label> [repository]: `restic snapshots --json` of a namespace's repository (the
+# PVBs' repoIdentifier; default $APP's), Velero's CA, without a lock, into $W/restic-<label>.json.
 restic_list() {
-  local d=$W/restic-check/$1
+  local d=$W/restic-check/$1 repo=${2:-$repo_identifier}
   mkdir -p "$d"
   env -i PATH="$PATH" HOME="$d" RESTIC_PASSWORD="$repo_password" AWS_ACCESS_KEY_ID="$ak" AWS_SECRET_ACCESS_KEY="$sk" \
-    "$restic" --repo "$repo_identifier" --cacert "$W/s3/ca.pem" --cache-dir "$d/cache" --no-lock snapshots --json \
+    "$restic" --repo "$repo" --cacert "$W/s3/ca.pem" --cache-dir "$d/cache" --no-lock snapshots --json \
     >"$W/restic-$1.json" 2>"$d/snapshots.log" \
-    || { fail "restic snapshots ($repo_identifier): $(tail -n 3 "$d/snapshots.log")"; return 1; }
+    || { fail "restic snapshots ($repo): $(tail -n 3 "$d/snapshots.log")"; return 1; }
 }
 if [ "$UPLOADER" = kopia ]; then
   echo "  kopia repository s3://$BUCKET/$PREFIX/kopia/$APP/ as default@default:"
@@ -475,6 +481,76 @@ objs=$(bucket count "$PREFIX/backups/b1/" "$PREFIX/$UPLOADER/") || objs="? ?"
 echo "  objects in the bucket: $PREFIX/backups/b1/: ${objs% *}, $PREFIX/$UPLOADER/: ${objs#* }"
 check "the backup's objects removed from $PREFIX/backups/b1/" [ "${objs% *}" = 0 ]
 
+# --- case 8: the second backup of a claim is incremental from the first ----------------------------
+# Velero labels the PodVolumeBackup of a claim's volume velero.io/pvc-uid. restic: the agent takes
+# the latest Completed PVB of the same claim, location and uploader as --parent (Velero's own
+# rule); kopia: kopia takes the latest snapshot of the same source itself. A CSI
+# PersistentVolume pre-bound to the claim (the controller manager's PV controller binds the
+# pair); the stand-in kubelet makes the pod's volume at kubernetes.io~csi/<pv>/mount.
+CLAIMNS=smoke-claim
+pvb_of() { k -n "$VNS" get podvolumebackups -l "velero.io/backup-name=$1" -o jsonpath="{.items[0].$2}" 2>/dev/null; }
+backup_phase() { k -n "$VNS" get backup "$1" -o jsonpath='{.status.phase}' 2>/dev/null; }
+step_begin "case 8: two backups of a claim's volume; the second is incremental from the first"
+k create namespace "$CLAIMNS" >/dev/null
+k apply -f - >/dev/null <<YAML
+apiVersion: v1
+kind: PersistentVolume
+metadata: {name: smoke-claim-pv}
+spec:
+  capacity: {storage: 1Gi}
+  accessModes: [ReadWriteOnce]
+  persistentVolumeReclaimPolicy: Retain
+  storageClassName: smoke-manual
+  csi: {driver: smoke.csi.example.com, volumeHandle: smoke-claim-volume}
+  claimRef: {namespace: $CLAIMNS, name: data}
+---
+apiVersion: v1
+kind: PersistentVolumeClaim
+metadata: {name: data, namespace: $CLAIMNS}
+spec:
+  accessModes: [ReadWriteOnce]
+  storageClassName: smoke-manual
+  volumeName: smoke-claim-pv
+  resources: {requests: {storage: 1Gi}}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: db, namespace: $CLAIMNS, annotations: {backup.velero.io/backup-volumes: data}}
+spec:
+  containers: [{name: app, image: busybox:1.36, command: [sleep, infinity], volumeMounts: [{name: data, mountPath: /data}]}]
+  volumes: [{name: data, persistentVolumeClaim: {claimName: data}}]
+YAML
+claim_bound() { [ "$(k -n "$CLAIMNS" get pvc data -o jsonpath='{.status.phase}' 2>/dev/null)" = Bound ]; }
+wait_until 60 "claim $CLAIMNS/data Bound to smoke-claim-pv" claim_bound
+db_running() { [ "$(k -n "$CLAIMNS" get pod db -o jsonpath='{.status.phase}' 2>/dev/null)" = Running ]; }
+wait_until 60 "pod $CLAIMNS/db Running" db_running
+d=$W/pods/$(k -n "$CLAIMNS" get pod db -o jsonpath='{.metadata.uid}')/volumes/kubernetes.io~csi/smoke-claim-pv/mount
+[ -d "$d" ] || die "the stand-in kubelet made no directory $d for the claim's volume"
+rnd "$d/base.bin" $((3 * 1024 * 1024))
+claim_backup() { # <name>
+  local rc=0
+  bounded "$W/backup-$1.out" "${vel_cmd[@]}" backup create "$1" --include-namespaces "$CLAIMNS" --wait || rc=$?
+  check "velero backup create $1 --wait returned 0" [ "$rc" -eq 0 ]
+  check "Backup $1 phase Completed" [ "$(backup_phase "$1")" = Completed ]
+}
+claim_backup c1
+rnd "$d/added.bin" 12345
+claim_backup c2
+step_end
+k -n "$VNS" get podvolumebackups -l 'velero.io/backup-name in (c1,c2)' -o json >"$W/claim-pvbs.json"
+pvc_uid=$(k -n "$CLAIMNS" get pvc data -o jsonpath='{.metadata.uid}')
+claim_snapshots=$W/none.json
+echo '[]' >"$claim_snapshots"
+if [ "$UPLOADER" = restic ] && restic_list claim "s3:$s3_url/$BUCKET/$PREFIX/restic/$CLAIMNS"; then
+  claim_snapshots=$W/restic-claim.json
+fi
+pycheck incremental "$W/claim-pvbs.json" c1 c2 "$pvc_uid" "$UPLOADER" $((3 * 1024 * 1024)) 12345 "$claim_snapshots" "$W/crd-pvb.json"
+if [ "$UPLOADER" = restic ]; then
+  c1_sid=$(k -n "$VNS" get podvolumebackups -l velero.io/backup-name=c1 -o jsonpath='{.items[0].status.snapshotID}')
+  check "the agent logged c2's backup as incremental from c1's snapshot $c1_sid" \
+    grep -q "incremental backup from the previous snapshot of this claim.*parent=$c1_sid" "$W/agent.log"
+fi
+
 # --- cases 4 and 5: a running backup timed out, the server restarted ----------------------------------
 # Velero 1.17+ cancels the running PodVolumeBackup (spec.cancel); Velero 1.16 has no cancel in
 # its API (the field is not in its CRD) and leaves the PodVolumeBackup to run to its end, as its
@@ -490,8 +566,6 @@ wait_until 60 "pod $SLOW/slow Running" slow_running
 d=$(voldir "$SLOW" slow data)
 if [ "$UPLOADER" = kopia ]; then slow_size=64G; else slow_size=12G; fi
 rnd "$d/head.bin" 65536; truncate -s "$slow_size" "$d/huge.img"
-pvb_of() { k -n "$VNS" get podvolumebackups -l "velero.io/backup-name=$1" -o jsonpath="{.items[0].$2}" 2>/dev/null; }
-backup_phase() { k -n "$VNS" get backup "$1" -o jsonpath='{.status.phase}' 2>/dev/null; }
 # The agent's uploaders are its children (each in a process group of its own).
 uploaders() { pgrep -P "$agent_pg" -a 2>/dev/null | grep -c -- "$uploader_bin" || true; }
 pvb_moving() { [ "$(pvb_of "$1" status.phase)" = InProgress ] && [ "$(uploaders)" -ge 1 ]; }

@@ -13,6 +13,8 @@ usage: checks.py tree DIR                               JSON manifest of a volum
        checks.py same-tree SRC DST LABEL                  byte-for-byte, modes and mtimes
        checks.py gone SNAPSHOTS.json PVBS.json            no snapshot of those PVBs is left (kopia or restic)
        checks.py cross SNAPSHOTS.json OURS VELEROS        our and Velero's manifest of one volume agree
+       checks.py incremental PVBS.json FIRST SECOND PVC_UID UPLOADER BASE ADDED SNAPSHOTS.json CRD.json
+                                                          the second backup of a claim has the first as parent
 """
 import datetime
 import hashlib
@@ -321,6 +323,44 @@ def main():
         st = b.get("stats", {})
         info(f"Velero's backup after ours: {st.get('cachedFiles')} of {st.get('fileCount')} files taken from a parent "
              f"snapshot without reading them ({'our snapshot served as its parent' if st.get('cachedFiles') else 'no parent: every file re-read'})")
+    elif cmd == "incremental":
+        pvbs, first, second, pvc_uid, uploader = load(args[0])["items"], args[1], args[2], args[3], args[4]
+        base, added, snaps, fields = int(args[5]), int(args[6]), load(args[7]) or [], status_fields(load(args[8]))
+        by_backup = {p["metadata"]["labels"].get("velero.io/backup-name"): p for p in pvbs}
+        a, b = by_backup.get(first), by_backup.get(second)
+        if not (check(a is not None, f"a PodVolumeBackup of {first}", f"got {sorted(by_backup)}")
+                and check(b is not None, f"a PodVolumeBackup of {second}", f"got {sorted(by_backup)}")):
+            sys.exit(1)
+        for p, want in ((a, base), (b, base + added)):
+            st, name = p.get("status") or {}, p["metadata"]["labels"].get("velero.io/backup-name")
+            prog = st.get("progress") or {}
+            info(f"{name}: PodVolumeBackup {p['metadata']['name']} phase={st.get('phase')} snapshotID={st.get('snapshotID')} "
+                 f"totalBytes={prog.get('totalBytes')} incrementalBytes={st.get('incrementalBytes')} "
+                 f"labels={ {k: v for k, v in p['metadata']['labels'].items() if k.startswith('velero.io/pvc')} }")
+            check(st.get("phase") == "Completed" and prog.get("bytesDone") == prog.get("totalBytes") == want,
+                  f"{name}: PodVolumeBackup Completed with bytesDone == totalBytes == {want}",
+                  f"phase {st.get('phase')}, progress {prog}")
+            check(p["metadata"]["labels"].get("velero.io/pvc-uid") == pvc_uid,
+                  f"{name}: Velero labelled the PodVolumeBackup velero.io/pvc-uid={pvc_uid} (the claim's)",
+                  json.dumps(p["metadata"]["labels"]))
+        sa, sb = a["status"].get("snapshotID") or "", b["status"].get("snapshotID") or ""
+        if "incrementalBytes" in fields:
+            ia, ib = a["status"].get("incrementalBytes"), b["status"].get("incrementalBytes")
+            check(ia == base, f"{first}: incrementalBytes {ia} == every byte ({base}): a first backup")
+            # kopia's figure for a partly cached snapshot is a lower bound by at most 0.1 of its unit.
+            check(isinstance(ib, int) and added - 100 <= ib <= added,
+                  f"{second}: incrementalBytes {ib} == only the added file ({added}, kopia's figure within 100 below)",
+                  repr(ib))
+        if uploader == "restic":
+            by_id = {s["id"]: s for s in snaps}
+            full = lambda sid: next((i for i in by_id if sid and i.startswith(sid)), None)
+            fa, fb = full(sa), full(sb)
+            info(f"restic snapshots of the claim's namespace: " + ", ".join(
+                f"{i[:8]} parent={(s.get('parent') or '')[:8]} tags={s.get('tags')}" for i, s in by_id.items()))
+            if check(fa is not None and fb is not None, f"both snapshots ({sa}, {sb}) are in the repository",
+                     f"not among {sorted(by_id)}"):
+                check(by_id[fb].get("parent") == fa, f"restic recorded {first}'s snapshot {sa} as the parent of "
+                      f"{second}'s {sb}", f"parent {by_id[fb].get('parent')!r}")
     elif cmd == "gone":
         snaps, pvbs = load(args[0]) or [], load(args[1])["items"]
         ids = {s["id"] for s in snaps}

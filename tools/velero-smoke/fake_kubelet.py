@@ -9,9 +9,11 @@ as Velero and the node agent can tell from the API server:
   taint-based eviction never deletes the pods on it);
 - binds every unscheduled pod to this node (pods/binding, as kube-scheduler does);
 - for each pod on this node: creates its emptyDir volumes at
-  <pods-dir>/<pod-uid>/volumes/kubernetes.io~empty-dir/<volume> (kubelet's layout, which the node
-  agent reads as --host-pods-dir), then writes the status a kubelet writes: init containers run one
-  after the other, then the containers run (phase Running, Ready);
+  <pods-dir>/<pod-uid>/volumes/kubernetes.io~empty-dir/<volume> and its claims bound to CSI
+  PersistentVolumes at <pods-dir>/<pod-uid>/volumes/kubernetes.io~csi/<pv-name>/mount (kubelet's
+  layout, which the node agent reads as --host-pods-dir; a pod whose claim is not bound yet waits,
+  as the kubelet does), then writes the status a kubelet writes: init containers run one after
+  the other, then the containers run (phase Running, Ready);
 - runs Velero's restore helper init container (restore-wait, restic-wait before Velero 1.10) as
   cmd/velero-restore-helper does: it stays running until every volume mounted under /restores/
   has the done file .velero/<restore UID> (its only argument), then removes those .velero
@@ -38,6 +40,7 @@ import urllib.request
 
 HELPERS = ("restore-wait", "restic-wait")
 EMPTY_DIR = "kubernetes.io~empty-dir"
+CSI = "kubernetes.io~csi"
 
 
 def now():
@@ -156,7 +159,25 @@ class Kubelet:
 
     # --- pods -----------------------------------------------------------------------------------
     def volume_dir(self, uid, volume):
-        return os.path.join(self.pods_dir, uid, "volumes", EMPTY_DIR, volume)
+        return os.path.join(self.pods_dir, uid, "volumes", self.pods[uid]["dirs"][volume])
+
+    def volume_dirs(self, pod):
+        """{volume: its directory below <pod-uid>/volumes/}, or None while a claim is unbound."""
+        dirs = {}
+        for v in pod["spec"].get("volumes", []):
+            if "emptyDir" in v:
+                dirs[v["name"]] = os.path.join(EMPTY_DIR, v["name"])
+            elif "persistentVolumeClaim" in v:
+                ns, claim = pod["metadata"]["namespace"], v["persistentVolumeClaim"]["claimName"]
+                pvc = self.api.call("GET", f"/api/v1/namespaces/{ns}/persistentvolumeclaims/{claim}", ok404=True)
+                pv_name = ((pvc or {}).get("spec") or {}).get("volumeName")
+                if not pvc or (pvc.get("status") or {}).get("phase") != "Bound" or not pv_name:
+                    return None
+                pv = self.api.call("GET", f"/api/v1/persistentvolumes/{pv_name}", ok404=True)
+                if not pv or "csi" not in pv["spec"]:
+                    raise RuntimeError(f"claim {ns}/{claim}: PersistentVolume {pv_name} is not a CSI volume")
+                dirs[v["name"]] = os.path.join(CSI, pv_name, "mount")
+        return dirs
 
     def bind(self, pod):
         md = pod["metadata"]
@@ -193,15 +214,17 @@ class Kubelet:
             return
         st = self.pods.get(uid)
         if st is None:
-            for v in spec.get("volumes", []):
-                if "emptyDir" in v:
-                    os.makedirs(self.volume_dir(uid, v["name"]), exist_ok=True)
+            dirs = self.volume_dirs(pod)
+            if dirs is None:
+                return  # a claim not bound yet: look again at the next tick
+            for d in dirs.values():
+                os.makedirs(os.path.join(self.pods_dir, uid, "volumes", d), exist_ok=True)
             self.next_ip += 1
             st = {"written": None, "started": now(), "ip": f"10.244.0.{self.next_ip}",
-                  "init_done": {}, "init_started": {}}
+                  "init_done": {}, "init_started": {}, "dirs": dirs}
             self.pods[uid] = st
             self.event(action="volumes-created", namespace=md["namespace"], pod=md["name"], uid=uid,
-                       volumes=[v["name"] for v in spec.get("volumes", []) if "emptyDir" in v])
+                       volumes=sorted(dirs))
 
         # Init containers in order: the first one not finished is running.
         init_statuses, running_init = [], None
