@@ -189,8 +189,9 @@ keys=$("$moto_py" "$root/tests/s3/moto_setup.py" "$s3_url" "$W/s3/ca.pem" "[{\"u
 print("[default]\naws_access_key_id = %s\naws_secret_access_key = %s" % (k["accessKeyId"], k["secretAccessKey"]))' "$keys" >"$W/cloud")
 # Where Velero keeps each namespace's repository: kopia under <prefix>/kopia/<ns>/ (no
 # repoIdentifier in the PVB), restic under <prefix>/restic/<ns>, named in the PVB's repoIdentifier.
+restic_repo_of() { echo "s3:$s3_url/$BUCKET/$PREFIX/restic/$1"; }
 repo_identifier=
-if [ "$UPLOADER" = restic ]; then repo_identifier=s3:$s3_url/$BUCKET/$PREFIX/restic/$APP; fi
+if [ "$UPLOADER" = restic ]; then repo_identifier=$(restic_repo_of "$APP"); fi
 bucket() { "$moto_py" "$tools/bucket.py" "$s3_url" "$W/s3/ca.pem" "$W/cloud" "$BUCKET" "$@"; }
 echo "  $s3_url, bucket $BUCKET, IAM user velero (may use that bucket only)"
 step_end
@@ -539,14 +540,13 @@ claim_backup c2
 step_end
 k -n "$VNS" get podvolumebackups -l 'velero.io/backup-name in (c1,c2)' -o json >"$W/claim-pvbs.json"
 pvc_uid=$(k -n "$CLAIMNS" get pvc data -o jsonpath='{.metadata.uid}')
-claim_snapshots=$W/none.json
-echo '[]' >"$claim_snapshots"
-if [ "$UPLOADER" = restic ] && restic_list claim "s3:$s3_url/$BUCKET/$PREFIX/restic/$CLAIMNS"; then
+claim_snapshots=-
+if [ "$UPLOADER" = restic ] && restic_list claim "$(restic_repo_of "$CLAIMNS")"; then
   claim_snapshots=$W/restic-claim.json
 fi
 pycheck incremental "$W/claim-pvbs.json" c1 c2 "$pvc_uid" "$UPLOADER" $((3 * 1024 * 1024)) 12345 "$claim_snapshots" "$W/crd-pvb.json"
 if [ "$UPLOADER" = restic ]; then
-  c1_sid=$(k -n "$VNS" get podvolumebackups -l velero.io/backup-name=c1 -o jsonpath='{.items[0].status.snapshotID}')
+  c1_sid=$(pvb_of c1 status.snapshotID)
   check "the agent logged c2's backup as incremental from c1's snapshot $c1_sid" \
     grep -q "incremental backup from the previous snapshot of this claim.*parent=$c1_sid" "$W/agent.log"
 fi

@@ -13,8 +13,9 @@ usage: checks.py tree DIR                               JSON manifest of a volum
        checks.py same-tree SRC DST LABEL                  byte-for-byte, modes and mtimes
        checks.py gone SNAPSHOTS.json PVBS.json            no snapshot of those PVBs is left (kopia or restic)
        checks.py cross SNAPSHOTS.json OURS VELEROS        our and Velero's manifest of one volume agree
-       checks.py incremental PVBS.json FIRST SECOND PVC_UID UPLOADER BASE ADDED SNAPSHOTS.json CRD.json
+       checks.py incremental PVBS.json FIRST SECOND PVC_UID UPLOADER BASE ADDED SNAPSHOTS.json|- CRD.json
                                                           the second backup of a claim has the first as parent
+                                                          (restic's snapshot list; - for kopia)
 """
 import datetime
 import hashlib
@@ -74,6 +75,12 @@ def tree(root):
             else:
                 out[rel] = ("other", st.st_size, stat.S_IMODE(st.st_mode), st.st_mtime_ns, "")
     return out
+
+
+def snapshot_by_id(snaps, sid):
+    """The snapshot whose ID is sid or starts with it (a PVB names a restic snapshot by its short
+    ID, as Velero's restic path did; kopia IDs are whole), or None."""
+    return next((s for s in snaps if sid and s["id"].startswith(sid)), None)
 
 
 def owner_of(obj, *path):
@@ -174,8 +181,7 @@ def main():
                  f"parent={(s.get('parent') or '')[:16]}")
         for p in pvbs:
             key, sid = volume_key(p), (p.get("status") or {}).get("snapshotID") or ""
-            # A restic snapshot ID in a PVB is restic's short ID (Velero's restic path wrote it so).
-            s = by_id.get(sid) or next((x for x in snaps if sid and x["id"].startswith(sid)), None)
+            s = snapshot_by_id(snaps, sid)
             if not check(s is not None, f"restic snapshot {sid[:16]} of {key} is in the repository",
                          f"not among {sorted(by_id)}"):
                 continue
@@ -325,7 +331,8 @@ def main():
              f"snapshot without reading them ({'our snapshot served as its parent' if st.get('cachedFiles') else 'no parent: every file re-read'})")
     elif cmd == "incremental":
         pvbs, first, second, pvc_uid, uploader = load(args[0])["items"], args[1], args[2], args[3], args[4]
-        base, added, snaps, fields = int(args[5]), int(args[6]), load(args[7]) or [], status_fields(load(args[8]))
+        base, added, fields = int(args[5]), int(args[6]), status_fields(load(args[8]))
+        snaps = [] if args[7] == "-" else load(args[7]) or []
         by_backup = {p["metadata"]["labels"].get("velero.io/backup-name"): p for p in pvbs}
         a, b = by_backup.get(first), by_backup.get(second)
         if not (check(a is not None, f"a PodVolumeBackup of {first}", f"got {sorted(by_backup)}")
@@ -352,22 +359,20 @@ def main():
                   f"{second}: incrementalBytes {ib} == only the added file ({added}, kopia's figure within 100 below)",
                   repr(ib))
         if uploader == "restic":
-            by_id = {s["id"]: s for s in snaps}
-            full = lambda sid: next((i for i in by_id if sid and i.startswith(sid)), None)
-            fa, fb = full(sa), full(sb)
+            fa, fb = snapshot_by_id(snaps, sa), snapshot_by_id(snaps, sb)
             info(f"restic snapshots of the claim's namespace: " + ", ".join(
-                f"{i[:8]} parent={(s.get('parent') or '')[:8]} tags={s.get('tags')}" for i, s in by_id.items()))
+                f"{s['id'][:8]} parent={(s.get('parent') or '')[:8]} tags={s.get('tags')}" for s in snaps))
             if check(fa is not None and fb is not None, f"both snapshots ({sa}, {sb}) are in the repository",
-                     f"not among {sorted(by_id)}"):
-                check(by_id[fb].get("parent") == fa, f"restic recorded {first}'s snapshot {sa} as the parent of "
-                      f"{second}'s {sb}", f"parent {by_id[fb].get('parent')!r}")
+                     f"not among {[s['id'] for s in snaps]}"):
+                check(fb.get("parent") == fa["id"], f"restic recorded {first}'s snapshot {sa} as the parent of "
+                      f"{second}'s {sb}", f"parent {fb.get('parent')!r}")
     elif cmd == "gone":
         snaps, pvbs = load(args[0]) or [], load(args[1])["items"]
         ids = {s["id"] for s in snaps}
         info(f"snapshots in the repository after the delete: {len(snaps)} {sorted(ids)}")
         for p in pvbs:
             sid = p["status"].get("snapshotID")
-            check(sid and not any(i.startswith(sid) for i in ids),
+            check(sid and snapshot_by_id(snaps, sid) is None,
                   f"snapshot {sid} ({volume_key(p)}) deleted from the repository")
     else:
         sys.exit(f"unknown command {cmd}")
