@@ -37,6 +37,8 @@ cd "$(dirname "$0")/.."
 root=$(pwd)
 started=$(date +%s)
 say() { echo "test-real-cluster.sh: $*" >&2; }
+# section <title>: prints the step's heading and remembers it for the failure message.
+section() { step=$1; echo "== $1 =="; }
 
 cp_bin=$(scripts/install-control-plane.sh)
 read -r velero_version velero_dir < <(scripts/install-velero.sh 1.18.3)
@@ -48,14 +50,19 @@ fi
 
 cp_dir=$(mktemp -d /tmp/podvolume-cp.XXXXXX)
 cp_stopped=0
+step="starting the control plane"
 stop() {
   local rc=$?
   [ "$cp_stopped" = 1 ] || CONTROL_PLANE_BIN=$cp_bin scripts/start-control-plane.sh --stop "$cp_dir" >&2 || true
   if [ "$rc" -ne 0 ]; then
-    for f in kube-apiserver etcd kube-controller-manager; do
-      echo "--- last lines of $cp_dir/$f.log" >&2
-      tail -n 15 "$cp_dir/$f.log" >&2 || true
-    done
+    if [ "$cp_stopped" != 1 ]; then
+      for f in kube-apiserver etcd kube-controller-manager; do
+        echo "--- last lines of $cp_dir/$f.log" >&2
+        tail -n 15 "$cp_dir/$f.log" >&2 || true
+      done
+    fi
+    # Last, so that a log cut to its head and tail still names what failed.
+    say "FAILED (status $rc) in: $step"
   fi
   rm -rf "$cp_dir"
   exit "$rc"
@@ -78,24 +85,24 @@ echo "== real control plane: kube-apiserver $("$cp_bin/kube-apiserver" --version
 k apply -f "$cp_dir/velero-$velero_old_version-crds.yaml" >/dev/null
 k wait --for condition=established --timeout=60s crd/podvolumebackups.velero.io crd/podvolumerestores.velero.io >/dev/null
 phases=$(k get crd podvolumebackups.velero.io -o jsonpath='{.spec.versions[0].schema.openAPIV3Schema.properties.status.properties.phase.enum}')
-echo "== e2e on the real API server with Velero $velero_old_version's CRDs (PodVolumeBackup phases $phases): the velero_116 cases =="
+section "e2e on the real API server with Velero $velero_old_version's CRDs (PodVolumeBackup phases $phases): the velero_116 cases"
 timeout --kill-after=30 1200 cargo test --test e2e -- velero_116
 
 k apply -f "$cp_dir/velero-$velero_version-crds.yaml" >/dev/null
 k wait --for condition=established --timeout=60s crd/podvolumebackups.velero.io crd/podvolumerestores.velero.io >/dev/null
 phases=$(k get crd podvolumebackups.velero.io -o jsonpath='{.spec.versions[0].schema.openAPIV3Schema.properties.status.properties.phase.enum}')
-echo "== e2e on the real API server with Velero $velero_version's CRDs (PodVolumeBackup phases $phases) =="
+section "e2e on the real API server with Velero $velero_version's CRDs (PodVolumeBackup phases $phases)"
 timeout --kill-after=30 2400 cargo test --test e2e
 run_e2e_with() { echo "+ $*"; timeout --kill-after=30 1200 "$@"; }
 # The same real API server for the e2e cases that depend on the uploader's own behaviour, with
 # the other uploader versions scripts/test.sh gives (`<version>=<binary>` for kopia).
 for kv in ${PODVOLUME_KOPIA_OTHERS:-}; do
-  echo "== e2e kopia cases on the real API server with kopia $("${kv#*=}" --version) =="
+  section "e2e kopia cases on the real API server with kopia $("${kv#*=}" --version)"
   run_e2e_with env PODVOLUME_TEST_KOPIA="${kv#*=}" PODVOLUME_TEST_KOPIA_VERSION="${kv%%=*}" \
     cargo test --test e2e -- kopia::
 done
 if [ -n "${PODVOLUME_RESTIC_NEW:-}" ]; then
-  echo "== e2e restic cases on the real API server with $("$PODVOLUME_RESTIC_NEW" version) =="
+  section "e2e restic cases on the real API server with $("$PODVOLUME_RESTIC_NEW" version)"
   run_e2e_with env PODVOLUME_TEST_RESTIC="$PODVOLUME_RESTIC_NEW" PODVOLUME_TEST_RESTIC_VERSION=0.18.0 \
     cargo test --test e2e -- backup_with_progress cancel_mid_backup deleting_a_running exit_3 \
     empty_volume restore_ incremental_backup_uses restic_under_test two_locations \
@@ -103,22 +110,22 @@ if [ -n "${PODVOLUME_RESTIC_NEW:-}" ]; then
 fi
 # The suites that need an API server but are not end to end. Velero 1.18.3's CRDs are installed
 # again after the e2e cases: every test but the plugin's that need the project's CRDs.
-echo "== operations API, kubectl-podvolume and volume paths on the real API server with Velero $velero_version's CRDs =="
+section "operations API, kubectl-podvolume and volume paths on the real API server with Velero $velero_version's CRDs"
 timeout --kill-after=30 1200 cargo test --test opsapi --test plugin --test volume_path -- --skip _our_crds
 k apply -f "$root/daemonset/crds.yaml" >/dev/null
 k wait --for condition=established --timeout=60s crd/podvolumebackups.velero.io crd/podvolumerestores.velero.io >/dev/null
 k get --raw /apis/velero.io/v1 | grep -q '"podvolumebackups/status"' \
   || { say "daemonset/crds.yaml applied, but podvolumebackups/status is not served"; exit 1; }
 subresources=$(k get crd podvolumebackups.velero.io -o jsonpath='{.spec.versions[0].subresources}')
-echo "== the agent (e2e) and kubectl-podvolume on the real API server with the project's CRDs (daemonset/crds.yaml, subresources $subresources) =="
+section "the agent (e2e) and kubectl-podvolume on the real API server with the project's CRDs (daemonset/crds.yaml, subresources $subresources)"
 timeout --kill-after=30 1200 cargo test --test plugin --test e2e -- _our_crds status_subresource
 CONTROL_PLANE_BIN=$cp_bin scripts/start-control-plane.sh --stop "$cp_dir" >&2
 cp_stopped=1 # the smokes start control planes of their own
 
-echo "== the real Velero $velero_version server as the agent's client (scripts/velero-smoke.sh) =="
+section "the real Velero $velero_version server as the agent's client (scripts/velero-smoke.sh)"
 cargo build --quiet --bin podvolume-agent
 PODVOLUME_AGENT=$root/target/debug/podvolume-agent scripts/velero-smoke.sh "$velero_version"
-echo "== the real Velero $velero_old_version server (restic) as the agent's client (scripts/velero-smoke.sh $velero_old_version) =="
+section "the real Velero $velero_old_version server (restic) as the agent's client (scripts/velero-smoke.sh $velero_old_version)"
 PODVOLUME_AGENT=$root/target/debug/podvolume-agent scripts/velero-smoke.sh "$velero_old_version"
 
 echo "== real-cluster tests passed in $(($(date +%s) - started)) s =="

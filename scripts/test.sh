@@ -14,6 +14,17 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export DEBIAN_FRONTEND=noninteractive
 started=$(date +%s)
+# section <title>: prints the step's heading and remembers it; a failing run ends by naming it,
+# so a log cut to its head and tail still says where it stopped.
+step="setting up"
+section() { step=$1; echo "== $1 =="; }
+background_pids=()
+finish() {
+  local rc=$?
+  [ ${#background_pids[@]} -eq 0 ] || kill -- "${background_pids[@]/#/-}" 2>/dev/null || true
+  [ "$rc" -eq 0 ] || echo "test.sh: FAILED (status $rc) in: $step ($(($(date +%s) - started)) s into the run)" >&2
+}
+trap finish EXIT
 
 command -v cargo >/dev/null || { echo "test.sh: cargo is missing (install Rust: https://rustup.rs)" >&2; exit 1; }
 command -v go >/dev/null || { echo "test.sh: go is missing (Go 1.26 builds kopia from the Go module proxy)" >&2; exit 1; }
@@ -41,7 +52,7 @@ command -v gpgv >/dev/null || need+=(gpgv)
 command -v xz >/dev/null || need+=(xz-utils)
 [ -f /usr/share/keyrings/debian-archive-keyring.gpg ] || need+=(debian-archive-keyring)
 if [ ${#need[@]} -gt 0 ]; then
-  echo "== installing: ${need[*]} =="
+  section "installing: ${need[*]}"
   sudo=
   [ "$(id -u)" -eq 0 ] || sudo=sudo
   $sudo apt-get install -y "${need[@]}" || { $sudo apt-get update && $sudo apt-get install -y "${need[@]}"; }
@@ -66,10 +77,10 @@ tools_pid=$!
 image_log=target/test-tools/image-base.log
 setsid scripts/build-image.sh --base-only target/test-tools/image-base.tar </dev/null >"$image_log" 2>&1 &
 image_pid=$!
-trap 'kill -- "-$tools_pid" "-$image_pid" 2>/dev/null || true' EXIT
+background_pids=("$tools_pid" "$image_pid")
 
 # Lints (CI runs them through this script): while the tools build in the background.
-echo "== lints: cargo clippy --workspace --all-targets -- -D warnings =="
+section "lints: cargo clippy --workspace --all-targets -- -D warnings"
 cargo clippy --workspace --all-targets -- -D warnings
 
 # kopia: every pinned version (a few minutes each the first time on a machine, then nothing).
@@ -102,7 +113,7 @@ not_e2e=(--lib --bins --test cli --test kopia_engine --test kopia_parser --test 
   --test restic_engine --test restic_parser --test s3_cli)
 
 # Pass 1: every test but the end-to-end suite, restic from PATH.
-echo "== pass 1: every test with $(restic version) ($(command -v restic)) and kopia $("$PODVOLUME_TEST_KOPIA" --version) =="
+section "pass 1: every test with $(restic version) ($(command -v restic)) and kopia $("$PODVOLUME_TEST_KOPIA" --version)"
 bounded 2400 cargo test --no-fail-fast "${not_e2e[@]}"
 bounded 600 cargo test --doc
 run cargo test --test restic_engine --test cli --test s3_cli -- --show-output restic_under_test
@@ -113,7 +124,7 @@ run cargo test --test kopia_engine --test kopia_parser --test s3_cli --test cli 
 for version in "${!kopia_at[@]}"; do
   [ "$version" = "$kopia_main" ] && continue
   export PODVOLUME_TEST_KOPIA=${kopia_at[$version]} PODVOLUME_TEST_KOPIA_VERSION=$version
-  echo "== kopia pass: kopia suites with kopia $("$PODVOLUME_TEST_KOPIA" --version) ($PODVOLUME_TEST_KOPIA) =="
+  section "kopia pass: kopia suites with kopia $("$PODVOLUME_TEST_KOPIA" --version) ($PODVOLUME_TEST_KOPIA)"
   bounded 1200 cargo test --test kopia_engine --test kopia_parser
   bounded 600 cargo test --test s3_cli --test cli -- kopia
   run cargo test --test kopia_engine --test kopia_parser --test s3_cli --test cli -- --show-output kopia_under_test
@@ -127,7 +138,7 @@ export PODVOLUME_TEST_KOPIA=${kopia_at[$kopia_main]} PODVOLUME_TEST_KOPIA_VERSIO
 # runs both versions itself. The S3 cases of an unknown certificate run with 0.14 only: restic
 # 0.18 retries a TLS failure of the backend for minutes before it gives up (seen still
 # retrying after 5 minutes), too long for a test run.
-echo "== pass 2: restic suites with $("$restic_new" version) ($restic_new) =="
+section "pass 2: restic suites with $("$restic_new" version) ($restic_new)"
 bounded 1200 env PODVOLUME_TEST_RESTIC="$restic_new" PODVOLUME_TEST_RESTIC_VERSION=0.18.0 cargo test --test restic_engine --test cli --test s3_cli -- --skip upgrade_014_to_018 \
   --skip without_the_ca --skip kopia
 run env PODVOLUME_TEST_RESTIC="$restic_new" PODVOLUME_TEST_RESTIC_VERSION=0.18.0 cargo test --test restic_engine --test cli --test s3_cli -- --show-output restic_under_test
@@ -137,7 +148,7 @@ run env PODVOLUME_TEST_RESTIC="$restic_new" PODVOLUME_TEST_RESTIC_VERSION=0.18.0
 # end-to-end suite as the agent's own ServiceAccount with each Velero's CRDs, the kopia e2e cases
 # with every pinned kopia, the restic e2e cases with 0.18, the operations API, kubectl-podvolume
 # and volume path tests, and the real Velero servers (1.18.3 kopia, 1.16.2 restic) driving the agent.
-echo "== pass 3: waiting for the control plane, helm and Velero builds (log: $tools_log) =="
+section "pass 3: waiting for the control plane, helm and Velero builds (log: $tools_log)"
 if ! wait "$tools_pid"; then
   echo "test.sh: building the control plane, helm or Velero failed:" >&2
   tail -n 40 "$tools_log" >&2
@@ -148,20 +159,21 @@ if ! wait "$image_pid"; then
   tail -n 40 "$image_log" >&2
   exit 1
 fi
-trap - EXIT
+background_pids=()
 grep -E 'built in|building' "$tools_log" || echo "(control plane, helm and Velero were in the tools cache)"
 # The image recipe without a daemon: the OCI image assembled (the test build of the agent), its
 # entrypoint, restic and kopia run inside it.
-echo "== the image (scripts/build-image.sh --oci, no daemon) =="
+section "the image (scripts/build-image.sh --oci, no daemon)"
 bounded 600 scripts/build-image.sh --oci target/test-tools/image --agent target/debug/podvolume-agent \
   --base target/test-tools/image-base.tar --check
 # The Helm chart: lint, template, RBAC against daemonset/'s, install on a real kube-apiserver.
-echo "== the Helm chart (scripts/test-helm.sh) =="
+section "the Helm chart (scripts/test-helm.sh)"
 bounded 600 scripts/test-helm.sh
 kopia_others=()
 for version in "${!kopia_at[@]}"; do
   [ "$version" = "$kopia_main" ] || kopia_others+=("$version=${kopia_at[$version]}")
 done
+section "the real kube-apiserver and Velero servers (scripts/test-real-cluster.sh)"
 bounded 3600 env PODVOLUME_KOPIA_OTHERS="${kopia_others[*]}" PODVOLUME_RESTIC_NEW="$restic_new" \
   scripts/test-real-cluster.sh
 

@@ -7,8 +7,11 @@ elapsed() { awk -v a="$1" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }'
 say() { printf '[%6ss] %s\n' "$(elapsed "$t_start")" "$*"; }
 
 failures=0
+# Every FAIL line, repeated in the summary: a CI log that keeps only its head and tail still
+# shows what failed.
+failed=()
 pass() { echo "  PASS $*"; }
-fail() { echo "  FAIL $*"; failures=$((failures + 1)); }
+fail() { echo "  FAIL $*"; failures=$((failures + 1)); failed+=("${step_name:-}: $*"); }
 # check <what> <command...>: PASS/FAIL by the command's status.
 check() { local what=$1; shift; if "$@"; then pass "$what"; else fail "$what"; fi; }
 # Runs tools/velero-smoke/checks.py and counts its FAIL lines (a crash counts as one).
@@ -17,7 +20,12 @@ pycheck() {
   out=$(python3 "$tools/checks.py" "$@" 2>&1) || rc=$?
   echo "$out"
   n=$(grep -c '^  FAIL' <<<"$out" || true)
-  if [ "$rc" -ne 0 ] && [ "$n" -eq 0 ]; then n=1; echo "  FAIL checks.py $1 exited $rc"; fi
+  while IFS= read -r line; do failed+=("${step_name:-}: ${line#  FAIL }"); done < <(grep '^  FAIL' <<<"$out" || true)
+  if [ "$rc" -ne 0 ] && [ "$n" -eq 0 ]; then
+    n=1
+    echo "  FAIL checks.py $1 exited $rc"
+    failed+=("${step_name:-}: checks.py $1 exited $rc")
+  fi
   failures=$((failures + n))
 }
 
@@ -73,11 +81,18 @@ cleanup() {
   else
     echo "work directory kept: $W (velero-server.log, agent.log, fake-kubelet.log, s3/moto.log, cp/*.log)"
   fi
+  if [ ${#failed[@]} -gt 0 ]; then
+    echo "velero-smoke${VELERO_VERSION:+ $VELERO_VERSION}: what failed (step: check):"
+    printf '  %s\n' "${failed[@]}"
+  elif [ "$rc" -ne 0 ]; then
+    echo "velero-smoke${VELERO_VERSION:+ $VELERO_VERSION}: stopped with status $rc in step '${step_name:-set-up}'"
+  fi
   exit "$rc"
 }
 
 die() {
   echo "FATAL: $*"
+  failed+=("${step_name:-}: FATAL $*")
   for f in agent.log velero-server.log fake-kubelet.log; do
     [ -f "$W/$f" ] && { echo "--- last lines of $W/$f"; tail -n 25 "$W/$f"; }
   done
