@@ -114,8 +114,11 @@ section "operations API, kubectl-podvolume and volume paths on the real API serv
 timeout --kill-after=30 1200 cargo test --test opsapi --test plugin --test volume_path -- --skip _our_crds
 k apply -f "$root/daemonset/crds.yaml" >/dev/null
 k wait --for condition=established --timeout=60s crd/podvolumebackups.velero.io crd/podvolumerestores.velero.io >/dev/null
-k get --raw /apis/velero.io/v1 | grep -q '"podvolumebackups/status"' \
-  || { say "daemonset/crds.yaml applied, but podvolumebackups/status is not served"; exit 1; }
+# The CRDs were Established before this update too, so the wait above returns at once; the API
+# server serves the new subresource once its CRD handler has caught up: polled, not read once.
+status_served() { k get --raw /apis/velero.io/v1 | grep -c '"podvolumebackups/status"' >/dev/null; }
+for ((i = 0; i < 60; i++)); do status_served && break; sleep 0.5; done
+status_served || { say "daemonset/crds.yaml applied, but podvolumebackups/status is not served after 30 s"; exit 1; }
 subresources=$(k get crd podvolumebackups.velero.io -o jsonpath='{.spec.versions[0].subresources}')
 section "the agent (e2e) and kubectl-podvolume on the real API server with the project's CRDs (daemonset/crds.yaml, subresources $subresources)"
 timeout --kill-after=30 1200 cargo test --test plugin --test e2e -- _our_crds status_subresource

@@ -555,9 +555,11 @@ fi
 # Velero 1.17+ cancels the running PodVolumeBackup (spec.cancel); Velero 1.16 has no cancel in
 # its API (the field is not in its CRD) and leaves the PodVolumeBackup to run to its end, as its
 # own node agent would. A volume the uploader takes long over: a sparse file (read and hashed
-# zero by zero; nothing new to upload), so the backup is surely mid-transfer when Velero acts:
-# 64 GiB for kopia (canceled long before its end), 12 GiB for restic (which must finish it:
-# about 30 s here).
+# zero by zero; nothing new to upload): 64 GiB for kopia, canceled long before its end. restic
+# must finish its 12 GiB (12 to 25 s here), which is not surely longer than Velero takes to act:
+# once restic runs, the test pauses its process group (SIGSTOP) until Velero has acted, then
+# lets it go on (SIGCONT), so that the backup is mid-transfer when Velero acts whatever the
+# machine's speed.
 SLOW=smoke-slow
 k create namespace "$SLOW" >/dev/null
 APP=$SLOW pod_yaml slow data | k apply -f - >/dev/null
@@ -569,6 +571,16 @@ rnd "$d/head.bin" 65536; truncate -s "$slow_size" "$d/huge.img"
 # The agent's uploaders are its children (each in a process group of its own).
 uploaders() { pgrep -P "$agent_pg" -a 2>/dev/null | grep -c -- "$uploader_bin" || true; }
 pvb_moving() { [ "$(pvb_of "$1" status.phase)" = InProgress ] && [ "$(uploaders)" -ge 1 ]; }
+# pause_uploaders STOP|CONT: signals every uploader's process group (restic only, see above).
+pause_uploaders() {
+  [ "$UPLOADER" = restic ] || return 0
+  local pid
+  [ "$1" = STOP ] && paused_groups=$(pgrep -P "$agent_pg" -f -- "$uploader_bin" || true)
+  for pid in $paused_groups; do kill "-$1" -- "-$pid" 2>/dev/null || true; done
+  echo "  SIG$1 to restic's process group(s): ${paused_groups:-none found}" | tr '\n' ' '
+  echo
+  [ "$1" = STOP ] || paused_groups=
+}
 backup_backing_up_slow() { # <name> [annotations as JSON]
   k apply -f - >/dev/null <<EOF
 apiVersion: velero.io/v1
@@ -607,20 +619,29 @@ ended_by_velero() {
 if [ "$UPLOADER" = kopia ]; then slow_timeout=20s; else slow_timeout=10s; fi
 step_begin "case 4: a backup timed out by Velero mid-transfer (annotation velero.io/pod-volume-timeout: $slow_timeout)"
 backup_backing_up_slow b-timeout "{velero.io/pod-volume-timeout: $slow_timeout}"
+pause_uploaders STOP
 backup_ended() { case "$(backup_phase "$1")" in Completed | PartiallyFailed | Failed) return 0 ;; *) return 1 ;; esac; }
 settle "$TIMEOUT" backup_ended b-timeout || true
+pause_uploaders CONT
 echo "  Backup b-timeout: phase $(backup_phase b-timeout), errors $(k -n "$VNS" get backup b-timeout -o jsonpath='{.status.errors}')"
 check "Backup b-timeout ends PartiallyFailed (its volume timed out)" [ "$(backup_phase b-timeout)" = PartiallyFailed ]
 ended_by_velero b-timeout "timeout"
 step_end
 
 step_begin "case 5: the Velero server restarted mid-backup"
+# A new file in place of the one case 4 read: with restic, case 4's backup completed, and the
+# agent gives its snapshot as parent; restic would skip the unchanged file and end within a
+# second, too soon to be seen running.
+rm -f "$d/huge.img"
+truncate -s "$slow_size" "$d/huge-2.img"
 backup_backing_up_slow b-restart
+pause_uploaders STOP
 stop_group velero-server "$velero_pg" 5
 echo "  velero server stopped with backup b-restart $(backup_phase b-restart); starting it again (log: velero-server-2.log)"
 start_velero_server "$W/velero-server-2.log"
 wait_until "$TIMEOUT" "BackupStorageLocation default Available after the restart" bsl_available
 settle "$TIMEOUT" backup_ended b-restart || true
+pause_uploaders CONT
 echo "  Backup b-restart: phase $(backup_phase b-restart), failureReason: $(k -n "$VNS" get backup b-restart -o jsonpath='{.status.failureReason}')"
 check "Backup b-restart ends Failed (a restart of the server fails the backup it was running)" [ "$(backup_phase b-restart)" = Failed ]
 ended_by_velero b-restart "server restart"

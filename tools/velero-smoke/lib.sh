@@ -70,6 +70,9 @@ cleanup() {
   local rc=$? i name pg grace
   set +e
   trap - EXIT INT TERM
+  # Process groups the caller paused (SIGSTOP): resumed first, or a stopped process would
+  # outlive its parent's SIGTERM.
+  for i in ${paused_groups:-}; do kill -CONT -- "-$i" 2>/dev/null; done
   for ((i = ${#groups[@]} - 1; i >= 0; i--)); do
     IFS=: read -r name pg grace <<<"${groups[i]}"
     stop_group "$name" "$pg" "$grace"
