@@ -507,6 +507,9 @@ fn kopia_under_test_is_the_requested_version() {
     assert_requested_kopia_version();
 }
 
+/// A sparse file's size in the kopia progress test.
+const SPARSE: u64 = 2 << 30;
+
 /// `backup --uploader kopia --json` on a real kopia repository: intermediate lines, monotonic,
 /// and a final one with the manifest ID and the exact size; the ID is the one kopia lists.
 #[test]
@@ -514,6 +517,12 @@ fn kopia_json_backup_prints_progress_and_the_manifest_id() {
     let bed = Bed::new();
     write_random(&bed.source.join("a.bin"), 120 << 20, 1);
     write_random(&bed.source.join("b/c.bin"), 30 << 20, 2);
+    // kopia can snapshot 150 MiB of random data in half a second, before its first progress
+    // frame; reading and hashing 2 GiB of zeros (a sparse file, no disk) takes it seconds.
+    std::fs::File::create(bed.source.join("zeros.img"))
+        .unwrap()
+        .set_len(SPARSE)
+        .unwrap();
     let out = kopia_agent(&bed, &["backup", "--json", "--update-interval", "200ms"])
         .arg(&bed.source)
         .output()
@@ -525,7 +534,7 @@ fn kopia_json_backup_prints_progress_and_the_manifest_id() {
         String::from_utf8_lossy(&out.stderr)
     );
     let lines = parse_lines(&out.stdout);
-    let last = assert_json_progress(&lines, 150 << 20);
+    let last = assert_json_progress(&lines, (150 << 20) + SPARSE);
     let id = last
         .description
         .strip_prefix("snapshot ")

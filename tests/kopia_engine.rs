@@ -235,7 +235,14 @@ fn assert_no_uploader_left(bed: &Bed) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn backup_creates_the_repository_and_reports_exact_monotonic_progress() {
     let bed = Bed::new();
-    let total = fill_big(&bed);
+    // 200 MB of random data can be snapshotted before kopia's first progress frame; 2 GiB of
+    // zeros (a sparse file, no disk) keeps it reading and hashing for seconds.
+    let sparse: u64 = 2 << 30;
+    std::fs::File::create(bed.source.join("zeros.img"))
+        .unwrap()
+        .set_len(sparse)
+        .unwrap();
+    let total = fill_big(&bed) + sparse;
     let files = regular_files(&bed.source);
     assert!(!bed.repo.exists());
     let op = real_engine(true).backup(backup_req(&bed, bed.access()));
