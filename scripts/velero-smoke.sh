@@ -570,13 +570,14 @@ d=$(voldir "$SLOW" slow data)
 if [ "$UPLOADER" = kopia ]; then slow_size=64G; else slow_size=12G; fi
 rnd "$d/head.bin" 65536; truncate -s "$slow_size" "$d/huge.img"
 # The agent's uploaders are its children (each in a process group of its own).
-uploaders() { pgrep -P "$agent_pg" -a 2>/dev/null | grep -c -- "$uploader_bin" || true; }
+uploader_pids() { pgrep -P "$agent_pg" -f -- "$uploader_bin" 2>/dev/null || true; }
+uploaders() { uploader_pids | grep -c . || true; }
 pvb_moving() { [ "$(pvb_of "$1" status.phase)" = InProgress ] && [ "$(uploaders)" -ge 1 ]; }
 # pause_uploaders STOP|CONT: signals every uploader's process group (restic only, see above).
 pause_uploaders() {
   [ "$UPLOADER" = restic ] || return 0
   local pid
-  [ "$1" = STOP ] && paused_groups=$(pgrep -P "$agent_pg" -f -- "$uploader_bin" || true)
+  [ "$1" = STOP ] && paused_groups=$(uploader_pids)
   for pid in $paused_groups; do kill "-$1" -- "-$pid" 2>/dev/null || true; done
   echo "  SIG$1 to restic's process group(s): ${paused_groups:-none found}" | tr '\n' ' '
   echo
@@ -672,8 +673,8 @@ echo
 echo "time per step:"
 printf '  %s\n' "${steps[@]}"
 echo "  total: $(elapsed "$t_start") s"
-if [ "$failures" -gt 0 ]; then
-  echo "velero-smoke: $failures check(s) FAILED"
+if [ ${#failed[@]} -gt 0 ]; then
+  echo "velero-smoke: ${#failed[@]} check(s) FAILED"
   exit 1
 fi
 echo "velero-smoke: every check passed"

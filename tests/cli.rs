@@ -507,9 +507,6 @@ fn kopia_under_test_is_the_requested_version() {
     assert_requested_kopia_version();
 }
 
-/// A sparse file's size in the kopia progress test.
-const SPARSE: u64 = 2 << 30;
-
 /// `backup --uploader kopia --json` on a real kopia repository: intermediate lines, monotonic,
 /// and a final one with the manifest ID and the exact size; the ID is the one kopia lists.
 #[test]
@@ -519,10 +516,8 @@ fn kopia_json_backup_prints_progress_and_the_manifest_id() {
     write_random(&bed.source.join("b/c.bin"), 30 << 20, 2);
     // kopia can snapshot 150 MiB of random data in half a second, before its first progress
     // frame; reading and hashing 2 GiB of zeros (a sparse file, no disk) takes it seconds.
-    std::fs::File::create(bed.source.join("zeros.img"))
-        .unwrap()
-        .set_len(SPARSE)
-        .unwrap();
+    let sparse: u64 = 2 << 30;
+    write_sparse(&bed.source.join("zeros.img"), sparse);
     let out = kopia_agent(&bed, &["backup", "--json", "--update-interval", "200ms"])
         .arg(&bed.source)
         .output()
@@ -534,7 +529,7 @@ fn kopia_json_backup_prints_progress_and_the_manifest_id() {
         String::from_utf8_lossy(&out.stderr)
     );
     let lines = parse_lines(&out.stdout);
-    let last = assert_json_progress(&lines, (150 << 20) + SPARSE);
+    let last = assert_json_progress(&lines, (150 << 20) + sparse);
     let id = last
         .description
         .strip_prefix("snapshot ")
@@ -572,10 +567,7 @@ fn kopia_sigint_mid_backup_exits_130_and_reports_no_completed_snapshot() {
     let bed = Bed::new();
     write_random(&bed.source.join("a.bin"), 1 << 20, 3);
     // Slow to snapshot without costing disk: kopia reads and hashes every zero of it.
-    std::fs::File::create(bed.source.join("huge.img"))
-        .unwrap()
-        .set_len(64 << 30)
-        .unwrap();
+    write_sparse(&bed.source.join("huge.img"), 64 << 30);
     let mut child = kopia_agent(
         &bed,
         &[

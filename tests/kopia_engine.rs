@@ -238,10 +238,7 @@ async fn backup_creates_the_repository_and_reports_exact_monotonic_progress() {
     // 200 MB of random data can be snapshotted before kopia's first progress frame; 2 GiB of
     // zeros (a sparse file, no disk) keeps it reading and hashing for seconds.
     let sparse: u64 = 2 << 30;
-    std::fs::File::create(bed.source.join("zeros.img"))
-        .unwrap()
-        .set_len(sparse)
-        .unwrap();
+    write_sparse(&bed.source.join("zeros.img"), sparse);
     let total = fill_big(&bed) + sparse;
     let files = regular_files(&bed.source);
     assert!(!bed.repo.exists());
@@ -491,10 +488,7 @@ async fn cancel_mid_snapshot_saves_kopias_partial_snapshot_and_stops_everything(
     let bed = Bed::new();
     let small = fill_small(&bed);
     let huge = 64u64 << 30;
-    std::fs::File::create(bed.source.join("huge.img"))
-        .unwrap()
-        .set_len(huge)
-        .unwrap();
+    write_sparse(&bed.source.join("huge.img"), huge);
     let total = small + huge;
     let op = kopia_engine(logging_kopia(&bed), true).backup(backup_req(&bed, bed.access()));
     let mut rx = op.subscribe();

@@ -1389,10 +1389,7 @@ fn first_sigint_saves_a_canceled_snapshot_and_exits_zero() {
     use std::os::unix::process::CommandExt;
     let bed = Bed::new();
     write_random(&bed.source.join("small"), 100_000, 5);
-    std::fs::File::create(bed.source.join("huge.img"))
-        .unwrap()
-        .set_len(64 << 30)
-        .unwrap();
+    write_sparse(&bed.source.join("huge.img"), 64 << 30);
     let access = bed.access();
     let run = run_kopia(&kopia::create(&access).unwrap(), Direction::Backup, &[]);
     assert_eq!(run.exit, ExitInfo::code(0), "{:?}", run.facts.stderr_tail);

@@ -157,6 +157,12 @@ pub fn write_random(path: &Path, n: usize, seed: u64) {
     std::fs::write(path, buf).unwrap();
 }
 
+/// Makes `path` a sparse file of `len` bytes: long for an uploader to read and hash (every zero
+/// of it), nothing new to upload, no disk used.
+pub fn write_sparse(path: &Path, len: u64) {
+    std::fs::File::create(path).unwrap().set_len(len).unwrap();
+}
+
 pub fn engine(update_interval: Duration) -> Arc<Engine> {
     Engine::new(EngineConfig {
         update_interval,

@@ -6,27 +6,21 @@ t_start=$(date +%s.%N)
 elapsed() { awk -v a="$1" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }'; }
 say() { printf '[%6ss] %s\n' "$(elapsed "$t_start")" "$*"; }
 
-failures=0
 # Every FAIL line, repeated in the summary: a CI log that keeps only its head and tail still
-# shows what failed.
+# shows what failed. Its length is the count of failed checks.
 failed=()
 pass() { echo "  PASS $*"; }
-fail() { echo "  FAIL $*"; failures=$((failures + 1)); failed+=("${step_name:-}: $*"); }
+fail() { echo "  FAIL $*"; failed+=("${step_name:-}: $*"); }
 # check <what> <command...>: PASS/FAIL by the command's status.
 check() { local what=$1; shift; if "$@"; then pass "$what"; else fail "$what"; fi; }
-# Runs tools/velero-smoke/checks.py and counts its FAIL lines (a crash counts as one).
+# Runs tools/velero-smoke/checks.py and records its FAIL lines (a crash counts as one).
 pycheck() {
-  local out rc=0 n
+  local out rc=0 line fails
   out=$(python3 "$tools/checks.py" "$@" 2>&1) || rc=$?
   echo "$out"
-  n=$(grep -c '^  FAIL' <<<"$out" || true)
-  while IFS= read -r line; do failed+=("${step_name:-}: ${line#  FAIL }"); done < <(grep '^  FAIL' <<<"$out" || true)
-  if [ "$rc" -ne 0 ] && [ "$n" -eq 0 ]; then
-    n=1
-    echo "  FAIL checks.py $1 exited $rc"
-    failed+=("${step_name:-}: checks.py $1 exited $rc")
-  fi
-  failures=$((failures + n))
+  mapfile -t fails < <(grep '^  FAIL' <<<"$out" || true)
+  for line in "${fails[@]}"; do failed+=("${step_name:-}: ${line#  FAIL }"); done
+  if [ "$rc" -ne 0 ] && [ ${#fails[@]} -eq 0 ]; then fail "checks.py $1 exited $rc"; fi
 }
 
 steps=()
@@ -79,7 +73,7 @@ cleanup() {
   done
   if [ "$cp_started" = 1 ]; then "$root/scripts/start-control-plane.sh" --stop "$W/cp" >>"$W/control-plane.log" 2>&1; fi
   [ ${#stopped[@]} -eq 0 ] || echo "cleanup: stopped (SIGTERM to exit) $(IFS=,; echo "${stopped[*]}" | sed 's/,/, /g'); control plane"
-  if [ "$rc" -eq 0 ] && [ "$failures" -eq 0 ] && [ "${VELERO_SMOKE_KEEP:-0}" != 1 ]; then
+  if [ "$rc" -eq 0 ] && [ ${#failed[@]} -eq 0 ] && [ "${VELERO_SMOKE_KEEP:-0}" != 1 ]; then
     rm -rf "$W"
   else
     echo "work directory kept: $W (velero-server.log, agent.log, fake-kubelet.log, s3/moto.log, cp/*.log)"
