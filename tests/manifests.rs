@@ -27,9 +27,11 @@ fn daemonset_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("daemonset")
 }
 
+/// Velero's own CRDs of the newest Velero the tests run, as its installer prints them
+/// (testdata/velero-crds/README.md).
 fn velero_crd_path(file: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../shared/reference/velero-crds")
+        .join("testdata/velero-crds/v1.18.3")
         .join(file)
 }
 
