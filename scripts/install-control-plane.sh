@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Builds a real Kubernetes control plane -- kube-apiserver, kube-controller-manager and etcd, plus
-# kubectl for people poking at it -- from the Go module proxy at the versions pinned in
+# Builds a real Kubernetes control plane -- kube-apiserver, kube-controller-manager, kube-scheduler
+# and etcd, plus kubectl for people poking at it, and the kubelet of the same release for the real
+# node (scripts/start-node.sh) -- from the Go module proxy at the versions pinned in
 # tools/control-plane/go.mod (+ go.sum), into a machine-wide cache, and prints the directory
 # holding the binaries on stdout (progress on stderr). Needs Go >= 1.26.0 on PATH.
 #
@@ -10,7 +11,8 @@
 #   scripts/start-control-plane.sh /tmp/cp    # runs them (see that script for the flags)
 #
 # Cache: $PODVOLUME_TOOLS_CACHE (default ~/.cache/podvolume-agent/tools)
-#        /control-plane/<kubernetes version>-etcd<etcd version>/{kube-apiserver,kube-controller-manager,etcd,kubectl}
+#        /control-plane/<kubernetes version>-etcd<etcd version>/{kube-apiserver,kube-controller-manager,
+#        kube-scheduler,kubelet,etcd,kubectl}
 # A directory whose binaries are all there and report the pinned versions is used as it is: nothing
 # is downloaded or built. Go's own module and build caches are shared by every clone on the machine.
 #
@@ -57,9 +59,10 @@ dir=$cache/control-plane/$k8s-etcd$etcd
 # the cache is rebuilt rather than trusted.
 installed() {
   local b out
-  for b in kube-apiserver kube-controller-manager etcd kubectl; do [ -x "$dir/$b" ] || return 1; done
-  [ "$("$dir/kube-apiserver" --version 2>/dev/null)" = "Kubernetes v$k8s" ] || return 1
-  [ "$("$dir/kube-controller-manager" --version 2>/dev/null)" = "Kubernetes v$k8s" ] || return 1
+  for b in kube-apiserver kube-controller-manager kube-scheduler kubelet etcd kubectl; do [ -x "$dir/$b" ] || return 1; done
+  for b in kube-apiserver kube-controller-manager kube-scheduler kubelet; do
+    [ "$("$dir/$b" --version 2>/dev/null)" = "Kubernetes v$k8s" ] || return 1
+  done
   # Output captured before matching, not piped into `grep -q`: grep exits at the first matching
   # line, the binary then dies of SIGPIPE writing the next one, and pipefail makes that a failure
   # (seen as a spurious rebuild under load).
@@ -83,7 +86,7 @@ if installed; then
   exit 0
 fi
 
-say "building kube-apiserver, kube-controller-manager, kubectl v$k8s and etcd v$etcd from the Go module proxy (about 16 minutes on 2 cores when Go's caches are cold; once per machine)"
+say "building kube-apiserver, kube-controller-manager, kube-scheduler, kubelet, kubectl v$k8s and etcd v$etcd from the Go module proxy (about 16 minutes on 2 cores when Go's caches are cold; once per machine)"
 start=$(date +%s)
 
 # Built from this project's module rather than with `go install k8s.io/kubernetes/cmd/...@v`:
@@ -118,10 +121,13 @@ trap 'rm -rf "$tmp"' EXIT
 CGO_ENABLED=0 GOFLAGS=-mod=readonly go build -trimpath -buildvcs=false -ldflags "${ldflags[*]}" -o "$tmp/" \
   k8s.io/kubernetes/cmd/kube-apiserver \
   k8s.io/kubernetes/cmd/kube-controller-manager \
+  k8s.io/kubernetes/cmd/kube-scheduler \
+  k8s.io/kubernetes/cmd/kubelet \
   k8s.io/kubernetes/cmd/kubectl \
   ./etcd >&2
 mkdir -p "$dir"
-mv -f "$tmp/kube-apiserver" "$tmp/kube-controller-manager" "$tmp/kubectl" "$tmp/etcd" "$dir/"
+mv -f "$tmp/kube-apiserver" "$tmp/kube-controller-manager" "$tmp/kube-scheduler" "$tmp/kubelet" "$tmp/kubectl" \
+  "$tmp/etcd" "$dir/"
 
 installed || {
   say "the binaries in $dir do not report kube-apiserver v$k8s / etcd $etcd:"

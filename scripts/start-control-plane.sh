@@ -20,6 +20,11 @@
 #   START_TIMEOUT       seconds to wait for each component (default 120)
 #   KUBE_APISERVER_EXTRA_ARGS   more kube-apiserver flags, split at spaces (e.g. the benchmark's
 #                       --audit-policy-file=... --audit-log-path=...: which requests the agent made)
+#   APISERVER_BIND_ADDRESS  the address kube-apiserver listens on (default 127.0.0.1); the real
+#                       node (scripts/start-node.sh) needs 0.0.0.0 with APISERVER_PORT=443, so that
+#                       its pods reach it at the `kubernetes` Service address 10.96.0.1:443
+#   KUBE_SCHEDULER=1    also run kube-scheduler (pods without spec.nodeName, DaemonSet pods, are
+#                       bound to a node by it; without a node nothing changes)
 #
 # <dir> after a start:
 #   pki/ca.{crt,key}                 the CA: signs every certificate below (and CSRs, through the
@@ -27,14 +32,18 @@
 #   pki/apiserver.{crt,key}          serving cert: 127.0.0.1, ::1, localhost, kubernetes.default.svc...
 #   pki/admin.{crt,key}              client cert CN=admin O=system:masters (cluster-admin through RBAC)
 #   pki/controller-manager.{crt,key} client cert CN=system:kube-controller-manager (its bootstrap RBAC)
+#   pki/scheduler.{crt,key}          client cert CN=system:kube-scheduler (its bootstrap RBAC)
+#   pki/apiserver-kubelet-client.{crt,key}   the apiserver's client cert to kubelets (logs, exec,
+#                                    port-forward): O=system:masters, as kubeadm made it
 #   pki/front-proxy-ca.{crt,key}, pki/front-proxy-client.{crt,key}   the aggregation layer's
 #                                    request-header CA and the client the apiserver proxies with
 #   pki/sa.{key,pub}                 RSA key pair: the apiserver signs ServiceAccount tokens with sa.key
 #                                    (TokenRequest) and verifies them with sa.pub (authn, TokenReview)
-#   admin.kubeconfig, controller-manager.kubeconfig   certificates embedded, server = APISERVER_URL
+#   admin.kubeconfig, controller-manager.kubeconfig, scheduler.kubeconfig   certificates embedded,
+#                                    server = APISERVER_URL
 #   etcd-data/   etcd's data; kept across stop/start, delete <dir> for a fresh cluster
-#   etcd.log kube-apiserver.log kube-controller-manager.log    each process's output
-#   pids         one PID per line (etcd, kube-apiserver, kube-controller-manager); stop them in the
+#   etcd.log kube-apiserver.log kube-controller-manager.log kube-scheduler.log   each process's output
+#   pids         one PID per line (etcd, kube-apiserver, kube-controller-manager[, kube-scheduler]); stop them in the
 #                reverse order, waiting for each, or all at once with SIGKILL (see stop() below)
 #   env          the stdout above
 #   The pki/ files are made once and reused on a restart, so tokens and kubeconfigs stay valid.
@@ -49,6 +58,9 @@
 #
 #   kube-apiserver --etcd-servers=http://127.0.0.1:ETCD_PORT
 #     --bind-address=127.0.0.1 --advertise-address=127.0.0.1 --secure-port=APISERVER_PORT
+#     --enable-admission-plugins=NodeRestriction
+#     --kubelet-client-certificate=DIR/pki/apiserver-kubelet-client.crt --kubelet-client-key=DIR/pki/apiserver-kubelet-client.key
+#     --kubelet-certificate-authority=DIR/pki/ca.crt --kubelet-preferred-address-types=InternalIP
 #     --tls-cert-file=DIR/pki/apiserver.crt --tls-private-key-file=DIR/pki/apiserver.key
 #     --client-ca-file=DIR/pki/ca.crt
 #     --authorization-mode=Node,RBAC
@@ -70,6 +82,10 @@
 #     --service-account-private-key-file=DIR/pki/sa.key --root-ca-file=DIR/pki/ca.crt
 #     --cluster-signing-cert-file=DIR/pki/ca.crt --cluster-signing-key-file=DIR/pki/ca.key
 #     --service-cluster-ip-range=10.96.0.0/16
+#
+#   kube-scheduler --kubeconfig=DIR/scheduler.kubeconfig --authentication-kubeconfig=DIR/scheduler.kubeconfig
+#     --authorization-kubeconfig=DIR/scheduler.kubeconfig --bind-address=127.0.0.1
+#     --secure-port=SCHEDULER_PORT --leader-elect=false     (only with KUBE_SCHEDULER=1)
 #
 # Readiness: etcd GET /health -> {"health":"true"}; apiserver GET /readyz -> ok (after its
 # post-start hooks: RBAC bootstrap roles, priority-and-fairness, system namespaces); controller
@@ -100,7 +116,7 @@ stop() {
   mapfile -t pids < <(tac "$dir/pids")
   # A zombie (exited, not yet reaped) has an empty cmdline, so it counts as stopped.
   # (Matched in bash, not piped into `grep -q`, whose early exit can SIGPIPE the writer.)
-  ours() { local c; c=$(tr '\0' ' ' <"/proc/$1/cmdline" 2>/dev/null) && [[ $c == *"$dir/"* ]]; }
+  ours() { local c; c=$( { tr '\0' ' ' <"/proc/$1/cmdline"; } 2>/dev/null) && [[ $c == *"$dir/"* ]]; }
   for pid in "${pids[@]}"; do
     ours "$pid" || continue
     kill -TERM "$pid" 2>/dev/null || true
@@ -149,14 +165,16 @@ done
 # Free loopback ports, asked of the kernel all at once (each socket held until the last is bound,
 # so the three differ). A port can in principle be taken between here and the server's bind; the
 # server then fails to start and the error says so.
-read -r p1 p2 p3 < <(python3 -c '
+read -r p1 p2 p3 p4 < <(python3 -c '
 import socket
-s = [socket.socket() for _ in range(3)]
+s = [socket.socket() for _ in range(4)]
 for x in s: x.bind(("127.0.0.1", 0))
 print(*(x.getsockname()[1] for x in s))')
 etcd_port=${ETCD_PORT:-$p1}
 api_port=${APISERVER_PORT:-$p2}
 kcm_port=${CONTROLLER_MANAGER_PORT:-$p3}
+scheduler_port=$p4
+bind_address=${APISERVER_BIND_ADDRESS:-127.0.0.1}
 
 # --- certificates (openssl CLI), made once per <dir> ---------------------------------------
 pki=$dir/pki
@@ -193,6 +211,15 @@ extendedKeyUsage=clientAuth"
 extendedKeyUsage=clientAuth"
   newkey "$pki/sa.key"
   openssl pkey -in "$pki/sa.key" -pubout -out "$pki/sa.pub"
+fi
+if [ ! -f "$pki/scheduler.crt" ]; then
+  # The user the bootstrap ClusterRoleBinding system:kube-scheduler names.
+  sign scheduler "/CN=system:kube-scheduler" "keyUsage=critical,digitalSignature,keyEncipherment
+extendedKeyUsage=clientAuth"
+  # The apiserver's identity towards kubelets (logs, exec): the kubelet asks the apiserver whether
+  # it may (webhook authorization); system:masters may, as kubeadm's apiserver-kubelet-client did.
+  sign apiserver-kubelet-client "/O=system:masters/CN=kube-apiserver-kubelet-client" "keyUsage=critical,digitalSignature,keyEncipherment
+extendedKeyUsage=clientAuth"
 fi
 # The aggregation layer's own CA, apart from the cluster CA as kubeadm keeps it: a certificate it
 # signs lets its holder assert any user in X-Remote-User headers, so no ordinary client cert may.
@@ -240,6 +267,7 @@ EOF
 }
 kubeconfig "$dir/admin.kubeconfig" admin
 kubeconfig "$dir/controller-manager.kubeconfig" controller-manager
+kubeconfig "$dir/scheduler.kubeconfig" scheduler
 
 # --- processes -------------------------------------------------------------------------------
 # Each runs detached from the terminal (setsid: its own process group), so a Ctrl-C at the
@@ -307,7 +335,10 @@ read -r -a apiserver_extra <<<"${KUBE_APISERVER_EXTRA_ARGS:-}"
 # bundle and the controller manager logs an error for it every few seconds.
 launch kube-apiserver "$bin/kube-apiserver" \
   --etcd-servers="http://127.0.0.1:$etcd_port" \
-  --bind-address=127.0.0.1 --advertise-address=127.0.0.1 --secure-port="$api_port" \
+  --bind-address="$bind_address" --advertise-address=127.0.0.1 --secure-port="$api_port" \
+  --enable-admission-plugins=NodeRestriction \
+  --kubelet-client-certificate="$pki/apiserver-kubelet-client.crt" --kubelet-client-key="$pki/apiserver-kubelet-client.key" \
+  --kubelet-certificate-authority="$pki/ca.crt" --kubelet-preferred-address-types=InternalIP \
   --tls-cert-file="$pki/apiserver.crt" --tls-private-key-file="$pki/apiserver.key" \
   --client-ca-file="$pki/ca.crt" \
   --authorization-mode=Node,RBAC \
@@ -349,6 +380,20 @@ wait_for "the default ServiceAccount (kube-controller-manager's serviceaccount c
   "$dir/kube-controller-manager.log" "$kcm_pid" "${admin[@]}" "https://127.0.0.1:$api_port/api/v1/namespaces/default/serviceaccounts/default"
 say "kube-controller-manager ready on https://127.0.0.1:$kcm_port (PID $kcm_pid) after $((SECONDS - t0)) s"
 
+# kube-scheduler, for a control plane with a real node: binds pods to nodes as in any cluster.
+scheduler_env=
+if [ "${KUBE_SCHEDULER:-0}" = 1 ]; then
+  [ -x "$bin/kube-scheduler" ] || { say "$bin/kube-scheduler is missing (scripts/install-control-plane.sh builds it)"; exit 1; }
+  launch kube-scheduler "$bin/kube-scheduler" \
+    --kubeconfig="$dir/scheduler.kubeconfig" \
+    --authentication-kubeconfig="$dir/scheduler.kubeconfig" --authorization-kubeconfig="$dir/scheduler.kubeconfig" \
+    --bind-address=127.0.0.1 --secure-port="$scheduler_port" --leader-elect=false
+  scheduler_pid=${pids[-1]}
+  wait_for kube-scheduler "$dir/kube-scheduler.log" "$scheduler_pid" -k "https://127.0.0.1:$scheduler_port/healthz"
+  say "kube-scheduler ready on https://127.0.0.1:$scheduler_port (PID $scheduler_pid) after $((SECONDS - t0)) s"
+  scheduler_env="KUBE_SCHEDULER_PID=$scheduler_pid"
+fi
+
 started_ok=1
 cat <<EOF | tee "$dir/env"
 KUBECONFIG=$dir/admin.kubeconfig
@@ -358,5 +403,6 @@ KUBE_CONTROLLER_MANAGER_URL=https://127.0.0.1:$kcm_port
 ETCD_PID=$etcd_pid
 KUBE_APISERVER_PID=$api_pid
 KUBE_CONTROLLER_MANAGER_PID=$kcm_pid
+$scheduler_env
 EOF
 say "stop with: $0 --stop $dir   (or: kill -9 \$(cat $dir/pids))"
