@@ -10,6 +10,7 @@
 #
 # Cache: $PODVOLUME_TOOLS_CACHE (default ~/.cache/podvolume-agent/tools)/velero/<version>/
 #          velero                            the Velero binary (server, CLI and built-in plugins)
+#          velero-restore-helper             the init container Velero adds to restored pods (its image)
 #          plugins/velero-plugin-for-aws     what `velero server --plugin-dir <dir>/plugins` runs
 # A version whose binaries are there and report the pinned versions is neither downloaded nor
 # built again; Go's own module and build caches are shared by every clone on the machine.
@@ -100,7 +101,8 @@ for v in "${versions[@]}"; do
   done
   dir=$cache/velero/$v
   plugin=$dir/plugins/velero-plugin-for-aws
-  if velero_ok "$dir/velero" "$v" && module_ok "$plugin" github.com/vmware-tanzu/velero-plugin-for-aws "$p"; then
+  if velero_ok "$dir/velero" "$v" && module_ok "$plugin" github.com/vmware-tanzu/velero-plugin-for-aws "$p" \
+    && module_ok "$dir/velero-restore-helper" github.com/vmware-tanzu/velero "$v"; then
     echo "$v $dir"
     continue
   fi
@@ -131,6 +133,9 @@ for v in "${versions[@]}"; do
     go build -trimpath -o "$tmp/velero" \
       -ldflags "-X $pkg.Version=v$v -X $pkg.ImageRegistry=velero -X $pkg.GitSHA=${sha:-unknown} -X $pkg.GitTreeState=clean" \
       github.com/vmware-tanzu/velero/cmd/velero
+    # The restore helper of Velero's image (the init container Velero adds to restored pods), for
+    # the real node's image of Velero (scripts/velero-smoke.sh).
+    go build -trimpath -o "$tmp/velero-restore-helper" github.com/vmware-tanzu/velero/cmd/velero-restore-helper
   ) >&2
   say "velero $v built in $(($(date +%s) - start)) s"
   # The plugin does not depend on the Velero version it is paired with: when another version's

@@ -10,6 +10,8 @@
 #   scripts/start-node.sh --import NODE_DIR REF OCI_DIR[:TAG]
 #                                              import an OCI image layout (scripts/build-image.sh
 #                                              --oci) into the node's containerd as REF
+#   scripts/start-node.sh --tag NODE_DIR REF NEW_REF
+#                                              an imported image under one more name (a rollout)
 #   scripts/start-node.sh --make-image NODE_DIR REF ENTRYPOINT [PATH=]FILE...
 #                                              a one-layer image of host files (static binaries),
 #                                              imported as REF
@@ -49,7 +51,7 @@ set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 say() { echo "start-node.sh: $*" >&2; }
 die() { say "$*"; exit 1; }
-usage() { say "usage: $0 CP_DIR NODE_DIR | $0 --stop NODE_DIR | $0 --import NODE_DIR REF OCI_DIR[:TAG] | $0 --make-image NODE_DIR REF ENTRYPOINT FILE..."; exit 2; }
+usage() { say "usage: $0 CP_DIR NODE_DIR | $0 --stop NODE_DIR | $0 --import NODE_DIR REF OCI_DIR[:TAG] | $0 --tag NODE_DIR REF NEW_REF | $0 --make-image NODE_DIR REF ENTRYPOINT FILE..."; exit 2; }
 
 BRIDGE=pvnode0
 NODE_IP=10.244.0.1
@@ -193,6 +195,14 @@ case "${1:-}" in
     oci=${4%:*} tag=latest
     [ "$oci" != "$4" ] && tag=${4##*:}
     import_image "$dir" "$3" "$oci" "$tag"
+    exit 0 ;;
+  --tag)
+    # Another name for an imported image (a new tag for a rollout without a second import).
+    [ $# -eq 4 ] || usage
+    dir=$(cd "$2" && pwd)
+    NODE_BIN=${NODE_BIN:-$("$root/scripts/install-node.sh")}
+    ctr_in "$dir" images tag --force "$3" "$4" >/dev/null || die "ctr images tag $3 $4 failed"
+    say "tagged $3 as $4"
     exit 0 ;;
   --make-image)
     [ $# -ge 5 ] || usage

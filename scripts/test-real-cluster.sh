@@ -26,8 +26,9 @@
 #    case with the project's CRDs
 #    (daemonset/crds.yaml, status subresource) applied over them.
 # 3. scripts/velero-smoke.sh: the real Velero server drives the agent (backup, restore, delete,
-#    timeout, restart) on a control plane of its own: Velero 1.18.3 with kopia, then Velero 1.16.2
-#    with restic.
+#    timeout, restart) on a control plane and a real node of its own, the agent running from its
+#    image as the DaemonSet's pod (PODVOLUME_IMAGE: the OCI layout scripts/test.sh built, else
+#    built here): Velero 1.18.3 with kopia, then Velero 1.16.2 with restic.
 #
 # Environment: PODVOLUME_TEST_KOPIA (the kopia the suites run; default: install-kopia.sh 0.22.3),
 # PODVOLUME_TOOLS_CACHE (the tools cache, as the install scripts).
@@ -82,6 +83,11 @@ echo "== real control plane: kube-apiserver $("$cp_bin/kube-apiserver" --version
 # then Velero 1.18.3's over them, as Velero's upgrade instructions apply them.
 "$velero_old_dir/velero" install --crds-only --dry-run -o yaml >"$cp_dir/velero-$velero_old_version-crds.yaml"
 "$velero_dir/velero" install --crds-only --dry-run -o yaml >"$cp_dir/velero-$velero_version-crds.yaml"
+# The copies the unit tests read (testdata/velero-crds/) are what these binaries print.
+section "testdata/velero-crds/ against what Velero $velero_old_version and $velero_version print"
+for v in "$velero_old_version" "$velero_version"; do
+  python3 tools/velero/crds.py check "$cp_dir/velero-$v-crds.yaml" "testdata/velero-crds/v$v"
+done
 k apply -f "$cp_dir/velero-$velero_old_version-crds.yaml" >/dev/null
 k wait --for condition=established --timeout=60s crd/podvolumebackups.velero.io crd/podvolumerestores.velero.io >/dev/null
 phases=$(k get crd podvolumebackups.velero.io -o jsonpath='{.spec.versions[0].schema.openAPIV3Schema.properties.status.properties.phase.enum}')
@@ -125,11 +131,21 @@ timeout --kill-after=30 1200 cargo test --test plugin --test e2e -- _our_crds st
 CONTROL_PLANE_BIN=$cp_bin scripts/start-control-plane.sh --stop "$cp_dir" >&2
 cp_stopped=1 # the smokes start control planes of their own
 
-section "the real Velero $velero_version server as the agent's client (scripts/velero-smoke.sh)"
-cargo build --quiet --bin podvolume-agent
-PODVOLUME_AGENT=$root/target/debug/podvolume-agent scripts/velero-smoke.sh "$velero_version"
-section "the real Velero $velero_old_version server (restic) as the agent's client (scripts/velero-smoke.sh $velero_old_version)"
-PODVOLUME_AGENT=$root/target/debug/podvolume-agent scripts/velero-smoke.sh "$velero_old_version"
+# The smokes run the agent's image on a real node: the image scripts/test.sh built
+# (PODVOLUME_IMAGE), or one built here from the debug agent.
+if [ -z "${PODVOLUME_IMAGE:-}" ]; then
+  section "the agent's image for the smokes (scripts/build-image.sh --oci)"
+  cargo build --quiet --bin podvolume-agent
+  base=()
+  [ -f target/test-tools/image-base.tar ] && base=(--base target/test-tools/image-base.tar)
+  scripts/build-image.sh --oci target/test-tools/image --agent target/debug/podvolume-agent "${base[@]}"
+  PODVOLUME_IMAGE=$root/target/test-tools/image
+fi
+export PODVOLUME_IMAGE
+section "the real Velero $velero_version server as the agent's client, on a real node (scripts/velero-smoke.sh)"
+scripts/velero-smoke.sh "$velero_version"
+section "the real Velero $velero_old_version server (restic) as the agent's client, on a real node (scripts/velero-smoke.sh $velero_old_version)"
+scripts/velero-smoke.sh "$velero_old_version"
 
 echo "== real-cluster tests passed in $(($(date +%s) - started)) s =="
 }

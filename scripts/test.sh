@@ -51,6 +51,12 @@ command -v umoci >/dev/null || need+=(umoci)
 command -v gpgv >/dev/null || need+=(gpgv)
 command -v xz >/dev/null || need+=(xz-utils)
 [ -f /usr/share/keyrings/debian-archive-keyring.gpg ] || need+=(debian-archive-keyring)
+# The real node (scripts/install-node.sh, start-node.sh): runc's seccomp support (cgo), the
+# workload image's busybox, ip for the node's bridge.
+dpkg -s libseccomp-dev >/dev/null 2>&1 || need+=(libseccomp-dev)
+command -v pkg-config >/dev/null || need+=(pkg-config)
+[ -x /bin/busybox ] || need+=(busybox-static)
+command -v ip >/dev/null || need+=(iproute2)
 if [ ${#need[@]} -gt 0 ]; then
   section "installing: ${need[*]}"
   sudo=
@@ -61,7 +67,8 @@ fi
 scripts/install-moto.sh
 restic_new=$(scripts/fetch-restic-trixie.sh)
 
-# The real control plane, helm and the Velero servers 1.18.3 and 1.16.2 (Go builds of many minutes
+# The real control plane (with the node's kubelet), the node's container runtime, helm and the
+# Velero servers 1.18.3 and 1.16.2 (Go builds of many minutes
 # the first time on a machine, nothing after; helm after the control plane, whose client-go build
 # it reuses; Velero 1.16.2 after 1.18.3, about 3 min more with Go's build cache warm): built
 # in the background while the Rust build and the suites that need no API server run; pass 3 waits
@@ -70,7 +77,7 @@ restic_new=$(scripts/fetch-restic-trixie.sh)
 mkdir -p target/test-tools
 tools_log=target/test-tools/real-cluster-tools.log
 # In a process group of its own, so that a failing run stops the whole build, go and compilers.
-setsid bash -c 'scripts/install-control-plane.sh && scripts/install-helm.sh && scripts/install-velero.sh 1.18.3 1.16.2' \
+setsid bash -c 'scripts/install-control-plane.sh && scripts/install-node.sh >/dev/null && scripts/install-helm.sh && scripts/install-velero.sh 1.18.3 1.16.2' \
   </dev/null >"$tools_log" 2>&1 &
 tools_pid=$!
 # The image's Debian root filesystem (mmdebstrap: mostly downloading), beside them.
@@ -166,6 +173,10 @@ grep -E 'built in|building' "$tools_log" || echo "(control plane, helm and Veler
 section "the image (scripts/build-image.sh --oci, no daemon)"
 bounded 600 scripts/build-image.sh --oci target/test-tools/image --agent target/debug/podvolume-agent \
   --base target/test-tools/image-base.tar --check
+# The image on a real node: containerd and the kubelet run it as the DaemonSet's pod (applied
+# with kubectl, then installed with helm), Ready through its probes; a rollout.
+section "the real node (scripts/test-node.sh)"
+bounded 900 scripts/test-node.sh --image target/test-tools/image
 # The Helm chart: lint, template, RBAC against daemonset/'s, install on a real kube-apiserver.
 section "the Helm chart (scripts/test-helm.sh)"
 bounded 600 scripts/test-helm.sh
@@ -175,6 +186,7 @@ for version in "${!kopia_at[@]}"; do
 done
 section "the real kube-apiserver and Velero servers (scripts/test-real-cluster.sh)"
 bounded 3600 env PODVOLUME_KOPIA_OTHERS="${kopia_others[*]}" PODVOLUME_RESTIC_NEW="$restic_new" \
+  PODVOLUME_IMAGE="$PWD/target/test-tools/image" \
   scripts/test-real-cluster.sh
 
 echo "== all tests passed with restic $(restic version | awk '{print $2}') and 0.18.0, kopia ${!kopia_at[*]}, on a real kube-apiserver, in $(($(date +%s) - started)) s =="

@@ -203,6 +203,53 @@ impl Engine {
         )
     }
 
+    /// Removes a snapshot this agent has just made and nothing will reference (its Backup ended
+    /// while the upload ran): kopia's manifest deleted, restic's snapshot forgotten; nothing is
+    /// pruned. Bounded by the unlock limit; not cancelable (it runs after the transfer's end).
+    pub async fn forget_snapshot(
+        &self,
+        uploader: UploaderKind,
+        access: &RepositoryAccess,
+        snapshot_id: &str,
+    ) -> std::result::Result<(), String> {
+        let spec = match uploader {
+            UploaderKind::Restic => {
+                restic::forget(access, snapshot_id).map(|inv| self.restic_spec(inv, None))
+            }
+            UploaderKind::Kopia => {
+                kopia::snapshot_delete(access, snapshot_id).map(|inv| self.kopia_spec(inv, None))
+            }
+        }
+        .map_err(|e| e.to_string())?;
+        tracing::info!(argv = %spec.display_argv(), "removing a snapshot no backup references");
+        let stop = CancellationToken::new();
+        let timer = {
+            let stop = stop.clone();
+            let limit = self.cfg.unlock_limit;
+            tokio::spawn(async move {
+                tokio::time::sleep(limit).await;
+                stop.cancel();
+            })
+        };
+        let result = runner::capture(&spec, &stop, self.cfg.cancel_grace).await;
+        timer.abort();
+        match result {
+            _ if stop.is_cancelled() => Err(format!(
+                "it did not finish within {}",
+                humantime::format_duration(self.cfg.unlock_limit)
+            )),
+            Ok(c) if c.exit.code == Some(0) => Ok(()),
+            Ok(c) => Err(c
+                .stderr
+                .iter()
+                .rev()
+                .find(|l| !l.trim().is_empty())
+                .map(|l| crate::text::redact_url_credentials(l))
+                .unwrap_or_else(|| c.exit.to_string())),
+            Err(e) => Err(e.to_string()),
+        }
+    }
+
     fn restic_spec(&self, inv: ResticInvocation, cwd: Option<&Path>) -> ChildSpec {
         let mut spec = ChildSpec::new(&self.cfg.restic_binary, inv.args);
         spec.env = inv.env;

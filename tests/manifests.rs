@@ -1140,6 +1140,9 @@ const NEEDS: &[(Scope, &str, &str, &str, Option<&str>)] = &[
         "get",
         None,
     ),
+    // The Backup/Restore a transfer belongs to (agent::owner).
+    (Scope::Namespace, "velero.io", "backups", "get", None),
+    (Scope::Namespace, "velero.io", "restores", "get", None),
     (Scope::Namespace, "events.k8s.io", "events", "create", None),
     (Scope::Namespace, "events.k8s.io", "events", "patch", None),
     (Scope::Namespace, "", "events", "create", None),

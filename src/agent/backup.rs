@@ -9,6 +9,7 @@ use kube::{Api, ResourceExt};
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
 
+use super::owner::{Owner, OwnerKind};
 use super::reconcile::{self, writer};
 use super::registry::CancelReason;
 use super::status::{VolumeObject, now_rfc3339};
@@ -94,6 +95,11 @@ async fn run(ctx: Arc<Context>, pvb: PodVolumeBackup, token: CancellationToken) 
         )
         .await;
 
+        // Kept for removing a snapshot no Backup will reference (below).
+        let (uploader, access) = (
+            prepared.request.uploader,
+            prepared.request.access.clone(),
+        );
         let op = ctx.engine.backup(prepared.request);
         ctx.registry.attach(&uid, op.clone());
         let reason = monitor(&ctx, &pvb, &mut w, &uid, &op, &token).await;
@@ -107,12 +113,41 @@ async fn run(ctx: Arc<Context>, pvb: PodVolumeBackup, token: CancellationToken) 
             tracing::info!("left for the next agent start to run again");
             return;
         }
-        let phase = terminal_phase(&outcome.kind, reason, ctx.args.partial_as_completed);
+        let mut phase = terminal_phase(&outcome.kind, reason, ctx.args.partial_as_completed);
+        // A snapshot made although the Backup ended meanwhile (the stop lost the race, or the
+        // end came after the last check): Velero has recorded this volume without it, so
+        // nothing will ever reference or delete it. It is removed, and the result says so.
+        let orphan = match (&outcome.snapshot_id, Owner::of(&pvb, OwnerKind::Backup)) {
+            (Some(id), Some(owner)) if !id.is_empty() => ctx
+                .owners
+                .state_now(&owner)
+                .await
+                .stop_reason(&owner)
+                .map(|why| (id.clone(), why)),
+            _ => None,
+        };
+        if let Some((id, why)) = &orphan {
+            phase = Phase::Canceled;
+            let removed = ctx.engine.forget_snapshot(uploader, &access, id).await;
+            let what = match &removed {
+                Ok(()) => format!("the snapshot {id} it made was deleted from the repository (no backup references it)"),
+                Err(e) => format!("deleting the snapshot {id} it made failed ({e}): it stays in the repository with no backup referencing it"),
+            };
+            let message = prepared.location.redact(&format!("{why} while the backup ran; {what}"));
+            tracing::warn!(snapshot = %id, "{message}");
+            drop(prepared.location);
+            let mut status = transfer::progress_status(&progress);
+            status["phase"] = Value::String(phase.as_str().to_string());
+            status["message"] = Value::String(message);
+            status["snapshotID"] = Value::String(String::new());
+            end(&ctx, &pvb, &mut w, status, started, progress.n_completed).await;
+            return;
+        }
         let message = match (phase, reason) {
             (Phase::Canceled | Phase::Failed, Some(r)) if outcome.kind == OutcomeKind::Canceled => {
                 format!(
                     "{}; the uploader was stopped",
-                    transfer::reason_text(&ctx, r)
+                    transfer::reason_text(&ctx, &uid, r)
                 )
             }
             _ => super::outcome_message(&ctx, &outcome, &prepared.location),

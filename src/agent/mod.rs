@@ -11,6 +11,7 @@ pub mod backup;
 pub mod kopia_repository;
 pub mod metrics;
 pub mod opsapi;
+pub mod owner;
 pub mod phases;
 pub mod reconcile;
 pub mod registry;
@@ -59,6 +60,8 @@ pub struct Context {
     pub args: RunArgs,
     pub engine: Arc<Engine>,
     pub registry: Registry,
+    /// Whether the Backup/Restore of a transfer still waits for it.
+    pub owners: owner::OwnerCheck,
     pub metrics: Arc<Metrics>,
     pub recorder: Recorder,
     pub state: StateDir,
@@ -628,6 +631,11 @@ pub async fn run(args: RunArgs) -> i32 {
     };
     let ctx = Arc::new(Context {
         recorder: Recorder::new(client.clone(), reporter),
+        owners: owner::OwnerCheck::new(
+            client.clone(),
+            args.namespace.clone(),
+            args.update_interval,
+        ),
         client,
         engine,
         registry: registry.clone(),

@@ -216,11 +216,11 @@ mod tests {
             let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
                 .join("testdata/velero-crds")
                 .join(file);
-            let crd: CustomResourceDefinition =
-                serde_norway::from_str(&std::fs::read_to_string(&path).unwrap_or_else(|e| {
-                    panic!("{}: {e}", path.display())
-                }))
-                .unwrap();
+            let crd: CustomResourceDefinition = serde_norway::from_str(
+                &std::fs::read_to_string(&path)
+                    .unwrap_or_else(|e| panic!("{}: {e}", path.display())),
+            )
+            .unwrap();
             assert_eq!(PhaseSet::of_crd(&crd), Some(expected), "{file}");
         }
         // Ours (generated from the Rust types) has all eight.

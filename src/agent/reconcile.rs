@@ -178,7 +178,7 @@ pub async fn cancel_before_start<K: Reconciled>(ctx: &Context, obj: &K, reason: 
         ctx,
         json!({
             "phase": Phase::Canceled.as_str(),
-            "message": format!("{} before the {} started", transfer::reason_text(ctx, reason), K::OPERATION),
+            "message": format!("{} before the {} started", transfer::reason_text(ctx, &obj.uid().unwrap_or_default(), reason), K::OPERATION),
         }),
     );
     if finish(ctx, obj, &mut w, status, &ctx.shutdown).await {

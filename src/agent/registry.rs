@@ -27,6 +27,9 @@ pub enum CancelReason {
     Stalled,
     /// The agent is shutting down: the object is left to be run again by the next start.
     Shutdown,
+    /// The Backup/Restore it belongs to no longer waits for it (see `owner`); the registry
+    /// keeps the words saying which and why (`cancel_detail`).
+    OwnerDone,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -68,6 +71,8 @@ struct Entry {
     phase: String,
     cancel: CancellationToken,
     reason: Option<CancelReason>,
+    /// What the reason alone does not say (the owner and its phase).
+    detail: Option<String>,
     operation: Option<Operation>,
     final_progress: Option<OperationProgress>,
     finished_at: Option<Instant>,
@@ -156,6 +161,7 @@ impl Registry {
                     phase: "Accepted".to_string(),
                     cancel: CancellationToken::new(),
                     reason: None,
+                    detail: None,
                     operation: None,
                     final_progress: None,
                     finished_at: None,
@@ -243,6 +249,21 @@ impl Registry {
     /// Why the operation was asked to stop, if it was.
     pub fn cancel_reason(&self, uid: &str) -> Option<CancelReason> {
         self.lock().entries.get(uid).and_then(|e| e.reason)
+    }
+
+    pub fn cancel_detail(&self, uid: &str) -> Option<String> {
+        self.lock().entries.get(uid).and_then(|e| e.detail.clone())
+    }
+
+    /// `cancel` with words for the message; kept only when this reason is the first.
+    pub fn cancel_because(&self, uid: &str, reason: CancelReason, detail: String) -> CancelResult {
+        if let Some(entry) = self.lock().entries.get_mut(uid)
+            && entry.reason.is_none()
+            && entry.state != EntryState::Finished
+        {
+            entry.detail = Some(detail);
+        }
+        self.cancel(uid, reason)
     }
 
     /// Best effort, idempotent. The first reason given wins.

@@ -204,7 +204,7 @@ async fn run(ctx: Arc<Context>, pvr: PodVolumeRestore, token: CancellationToken)
             (Phase::Canceled | Phase::Failed, Some(r)) if outcome.kind == OutcomeKind::Canceled => {
                 format!(
                     "{}; the uploader was stopped",
-                    transfer::reason_text(&ctx, r)
+                    transfer::reason_text(&ctx, &uid, r)
                 )
             }
             _ => super::outcome_message(&ctx, &outcome, &location),

@@ -37,6 +37,8 @@ pub trait VolumeObject:
     const KIND: &'static str;
     /// The operation name in metrics: `backup` or `restore`.
     const OPERATION: &'static str;
+    /// The kind of Velero object a transfer of this kind belongs to.
+    const OWNER: super::owner::OwnerKind;
     fn phase(&self) -> Phase;
     /// When the object was claimed (orders the queue).
     fn accepted_timestamp(&self) -> Option<&Time>;
@@ -54,10 +56,11 @@ pub trait VolumeObject:
 
 // Both kinds have the same status and spec fields for these; one body serves both.
 macro_rules! volume_object {
-    ($kind:ty, $name:literal, $operation:literal) => {
+    ($kind:ty, $name:literal, $operation:literal, $owner:expr) => {
         impl VolumeObject for $kind {
             const KIND: &'static str = $name;
             const OPERATION: &'static str = $operation;
+            const OWNER: super::owner::OwnerKind = $owner;
             fn phase(&self) -> Phase {
                 self.status
                     .as_ref()
@@ -83,8 +86,18 @@ macro_rules! volume_object {
     };
 }
 
-volume_object!(PodVolumeBackup, "PodVolumeBackup", "backup");
-volume_object!(PodVolumeRestore, "PodVolumeRestore", "restore");
+volume_object!(
+    PodVolumeBackup,
+    "PodVolumeBackup",
+    "backup",
+    super::owner::OwnerKind::Backup
+);
+volume_object!(
+    PodVolumeRestore,
+    "PodVolumeRestore",
+    "restore",
+    super::owner::OwnerKind::Restore
+);
 
 #[derive(Debug, thiserror::Error)]
 pub enum WriteError {

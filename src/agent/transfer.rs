@@ -9,6 +9,7 @@ use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
 
 use super::Context;
+use super::owner::Owner;
 use super::registry::CancelReason;
 use super::state::StoredResult;
 use super::status::{Finalizer, ObjectWriter, VolumeObject, WriteError, now_rfc3339};
@@ -115,7 +116,7 @@ pub async fn monitor<K: VolumeObject>(
                 tracing::info!(?reason, "stopping the transfer");
                 op.request_cancel();
                 if reason != CancelReason::Shutdown {
-                    let message = format!("canceling: {}", reason_text(ctx, reason));
+                    let message = format!("canceling: {}", reason_text(ctx, uid, reason));
                     let patch = json!({ "phase": Phase::Canceling.as_str(), "message": message });
                     match writer.write(Some(patch), None).await {
                         Ok(_) => ctx.registry.set_phase(uid, Phase::Canceling.as_str()),
@@ -173,6 +174,14 @@ pub async fn monitor<K: VolumeObject>(
                 }
             }
             _ = tick.tick() => {
+                // Whether the owner still waits for this transfer (a cached read, see owner).
+                if !canceling
+                    && let Some(owner) = Owner::of(obj, K::OWNER)
+                    && let Some(why) = ctx.owners.state(&owner).await.stop_reason(&owner)
+                {
+                    tracing::info!(owner = %owner.describe(), "{why}; stopping the transfer");
+                    ctx.registry.cancel_because(uid, CancelReason::OwnerDone, why);
+                }
                 // Stall detection and the throughput metric; status writes are above.
                 let p = op.progress();
                 if p.n_completed != last_bytes {
@@ -216,8 +225,12 @@ fn rate_of(p: &OperationProgress, _op: &Operation) -> f64 {
     }
 }
 
-pub fn reason_text(ctx: &Context, reason: CancelReason) -> String {
+pub fn reason_text(ctx: &Context, uid: &str, reason: CancelReason) -> String {
     match reason {
+        CancelReason::OwnerDone => ctx
+            .registry
+            .cancel_detail(uid)
+            .unwrap_or_else(|| "its owner no longer waits for it".to_string()),
         CancelReason::Requested => "canceled on request".to_string(),
         CancelReason::Deleted => "the object is being deleted".to_string(),
         CancelReason::Timeout => format!(
@@ -335,7 +348,9 @@ pub fn terminal_phase(
         (O::Partial, _) if partial_as_completed => Phase::Completed,
         (_, Some(CancelReason::Timeout | CancelReason::Stalled)) => Phase::Failed,
         (O::Canceled, _) => Phase::Canceled,
-        (_, Some(CancelReason::Requested | CancelReason::Deleted)) => Phase::Canceled,
+        (_, Some(CancelReason::Requested | CancelReason::Deleted | CancelReason::OwnerDone)) => {
+            Phase::Canceled
+        }
         _ => Phase::Failed,
     }
 }
@@ -417,6 +432,15 @@ pub async fn gate<K: VolumeObject>(
             CancelReason::Shutdown => Gate::Stop,
             reason => Gate::CancelBeforeStart(obj, reason),
         };
+    }
+    // Never started for an owner that no longer waits (read now, not from the cache).
+    if let Some(owner) = Owner::of(&obj, K::OWNER)
+        && let Some(why) = ctx.owners.state_now(&owner).await.stop_reason(&owner)
+    {
+        let uid = obj.uid().unwrap_or_default();
+        ctx.registry
+            .cancel_because(&uid, CancelReason::OwnerDone, why);
+        return Gate::CancelBeforeStart(obj, CancelReason::OwnerDone);
     }
     let starts = obj.attempts();
     if starts >= ctx.args.max_attempts.max(1) {

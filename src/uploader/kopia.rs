@@ -433,6 +433,18 @@ pub fn policy_keep_all(access: &RepositoryAccess, source: &str) -> Result<KopiaI
         .arg("--no-auto-maintenance"))
 }
 
+/// Deletes one snapshot manifest: only one the agent itself has just made (its Backup ended
+/// while it ran, so no Backup references it). Its content goes with Velero's next maintenance.
+pub fn snapshot_delete(access: &RepositoryAccess, id: &str) -> Result<KopiaInvocation, Error> {
+    check_snapshot_id(id)?;
+    Ok(base(access)?
+        .arg("snapshot")
+        .arg("delete")
+        .arg(id)
+        .arg("--delete")
+        .arg("--no-auto-maintenance"))
+}
+
 /// The longest snapshot ID accepted for a restore: kopia's manifest IDs are 32 hex digits and its
 /// object IDs (`k<hash>`, `Ix<hash>`) a few characters more than their hash; this leaves room.
 pub const MAX_SNAPSHOT_ID_LEN: usize = 128;

@@ -244,6 +244,13 @@ pub fn init(access: &RepositoryAccess) -> ResticInvocation {
     base(access, None).arg("init")
 }
 
+/// Forgets one snapshot: only one the agent itself has just made (its Backup ended while it
+/// ran). Never prunes: the data goes with the next prune of whoever maintains the repository.
+pub fn forget(access: &RepositoryAccess, id: &str) -> Result<ResticInvocation, Error> {
+    check_snapshot_id(id)?;
+    Ok(base(access, None).arg("forget").arg(id))
+}
+
 /// Removes stale locks: those older than 30 min or left by a dead process of this host.
 pub fn unlock(access: &RepositoryAccess) -> ResticInvocation {
     base(access, None).arg("unlock")

@@ -319,6 +319,11 @@ impl Env {
         let password_file = tmp.path().join("repo-password");
         std::fs::write(&password_file, "e2e password").unwrap();
         let agents = Arc::new(Mutex::new(Vec::new()));
+        // The Backup the tests' PodVolumeBackups name (velero.io/backup-name: b1): the agent
+        // stops a transfer whose Backup is gone or has ended, so it must exist (and, with no
+        // Velero server here, it stays New). Where Velero's Backup kind is not served the agent
+        // cannot tell and runs the transfers.
+        create_backup(&client, &ns, "b1").await;
         // The location of the tests' local repositories: a plugin's provider, which gets no
         // cloud credentials or TLS settings.
         create_storage_location(
@@ -1174,5 +1179,24 @@ impl Drop for Agent {
             let _ = c.kill();
             let _ = c.wait();
         }
+    }
+}
+
+/// A Velero Backup with no status (phase New), best effort: nothing when the kind is not served.
+pub async fn create_backup(client: &Client, ns: &str, name: &str) {
+    use kube::api::{ApiResource, DynamicObject, GroupVersionKind};
+    let gvk = GroupVersionKind::gvk("velero.io", "v1", "Backup");
+    let api: Api<DynamicObject> =
+        Api::namespaced_with(client.clone(), ns, &ApiResource::from_gvk(&gvk));
+    let obj: DynamicObject = serde_json::from_value(json!({
+        "apiVersion": "velero.io/v1", "kind": "Backup",
+        "metadata": {"name": name, "namespace": ns},
+        "spec": {},
+    }))
+    .unwrap();
+    if let Err(e) = api.create(&PostParams::default(), &obj).await {
+        eprintln!(
+            "Backup {ns}/{name} not created ({e}): the agent cannot see the owner of the tests' PodVolumeBackups"
+        );
     }
 }

@@ -7,6 +7,7 @@
 
 mod harness;
 mod kopia;
+mod owner;
 #[path = "../s3/mod.rs"]
 mod s3;
 mod storage;

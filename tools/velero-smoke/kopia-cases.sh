@@ -26,10 +26,26 @@ kind: Pod
 metadata: {name: elsewhere}
 spec:
   nodeName: $OTHER
-  containers: [{name: app, image: busybox:1.36, command: [sleep, infinity], volumeMounts: [{name: data, mountPath: /data}]}]
+  containers: [{name: app, image: $WORKLOAD_IMAGE, command: [sleep, infinity], volumeMounts: [{name: data, mountPath: /data}]}]
   volumes: [{name: data, emptyDir: {}}]
 YAML
-r1_uid=$(k -n "$VNS" get restore r1 -o jsonpath='{.metadata.uid}')
+# in_progress_owner <Backup|Restore> <name>: an owner for the hand-made objects below, as Velero's
+# server leaves a Backup/Restore while its transfers run (phase InProgress; the CRDs have no
+# status subresource, so it is created so; Velero's controllers take up only New ones). The
+# agent stops a transfer whose owner has ended, so r1 (Completed) cannot be theirs.
+in_progress_owner() {
+  local spec='{}'
+  [ "$1" = Restore ] && spec='{backupName: b1}'
+  k apply -f - >/dev/null <<YAML
+apiVersion: velero.io/v1
+kind: $1
+metadata: {name: $2, namespace: $VNS}
+spec: $spec
+status: {phase: InProgress}
+YAML
+  k -n "$VNS" get "$(tr '[:upper:]' '[:lower:]' <<<"$1")" "$2" -o jsonpath='{.metadata.uid}'
+}
+r1_uid=$(in_progress_owner Restore cross)
 ours_sid=$(k -n "$VNS" get podvolumebackups -l velero.io/backup-name=b1 -o jsonpath='{range .items[?(@.spec.volume=="data")]}{.status.snapshotID}{end}')
 elsewhere_uid=$(k -n "$CROSS" get pod elsewhere -o jsonpath='{.metadata.uid}')
 echo "  our snapshot of $APP/writer/data: $ours_sid"
@@ -40,7 +56,7 @@ kind: PodVolumeRestore
 metadata:
   name: $1
   namespace: $VNS
-  ownerReferences: [{apiVersion: velero.io/v1, kind: Restore, name: r1, uid: $r1_uid, controller: true}]
+  ownerReferences: [{apiVersion: velero.io/v1, kind: Restore, name: cross, uid: $r1_uid, controller: true}]
 spec:
   pod: {kind: Pod, namespace: $2, name: $3, uid: $4}
   volume: data
@@ -114,8 +130,8 @@ kind: Pod
 metadata: {name: here}
 spec:
   nodeName: $NODE
-  initContainers: [{name: restore-wait, image: velero/velero:v$VELERO_VERSION, command: [/velero-restore-helper], args: ["$r1_uid"], volumeMounts: [{name: data, mountPath: /restores/data}]}]
-  containers: [{name: app, image: busybox:1.36, command: [sleep, infinity], volumeMounts: [{name: data, mountPath: /data}]}]
+  initContainers: [{name: restore-wait, image: $velero_image, command: [/velero-restore-helper], args: ["$r1_uid"], volumeMounts: [{name: data, mountPath: /restores/data}]}]
+  containers: [{name: app, image: $WORKLOAD_IMAGE, command: [sleep, infinity], volumeMounts: [{name: data, mountPath: /data}]}]
   volumes: [{name: data, emptyDir: {}}]
 YAML
 here_uid=$(k -n "$CROSS" get pod here -o jsonpath='{.metadata.uid}')
@@ -129,8 +145,12 @@ echo "  PodVolumeRestore ours-restores-velero: $(k -n "$VNS" get podvolumerestor
 check "our agent restored Velero's snapshot: PodVolumeRestore Completed" \
   [ "$(k -n "$VNS" get podvolumerestore ours-restores-velero -o jsonpath='{.status.phase}')" = Completed ]
 check "the restore helper saw our done file (pod $CROSS/here Running)" here_running
-pycheck same-tree "$(voldir "$APP" writer data)" "$W/pods/$here_uid/volumes/kubernetes.io~empty-dir/data" "our restore of Velero's snapshot"
+pycheck same-tree "$(voldir "$APP" writer data)" "/var/lib/kubelet/pods/$here_uid/volumes/kubernetes.io~empty-dir/data" "our restore of Velero's snapshot"
 if kopia_list cross; then pycheck cross "$W/kopia-cross.json" "$ours_sid" "$velero_sid"; fi
+# The Node with no kubelet goes: the DaemonSet made a pod for it that can never be available,
+# and with maxUnavailable 1 that pod alone would hold up every later rollout (case 9).
+k -n "$CROSS" delete pod elsewhere --grace-period=0 --force >/dev/null 2>&1 || true
+k delete node "$OTHER" >/dev/null
 
 }
 
@@ -146,9 +166,9 @@ step_begin "case 7: Velero's own node agent (velero node-agent server) started o
 stop_group velero-server "$velero_pg" 5
 port_free 8080 || die "port 8080 still taken after stopping velero server"
 slow_uid=$(k -n "$SLOW" get pod slow -o jsonpath='{.metadata.uid}')
-bt_uid=$(k -n "$VNS" get backup b-timeout -o jsonpath='{.metadata.uid}')
+bt_uid=$(in_progress_owner Backup beside)
 # $1 name, $2 backup label, $3 pod namespace, $4 pod, $5 pod uid: a PodVolumeBackup as Velero
-# 1.18's server makes it, owned by the (ended) Backup b-timeout so the collector keeps it.
+# 1.18's server makes it, owned by the Backup beside (InProgress) so the collector keeps it.
 pvb_yaml() {
   echo "apiVersion: velero.io/v1
 kind: PodVolumeBackup
@@ -156,7 +176,7 @@ metadata:
   name: $1
   namespace: $VNS
   labels: {velero.io/backup-name: $2, velero.io/backup-uid: $bt_uid}
-  ownerReferences: [{apiVersion: velero.io/v1, kind: Backup, name: b-timeout, uid: $bt_uid, controller: true}]
+  ownerReferences: [{apiVersion: velero.io/v1, kind: Backup, name: beside, uid: $bt_uid, controller: true}]
 spec:
   node: $NODE
   pod: {kind: Pod, namespace: $3, name: $4, uid: $5}

@@ -38,6 +38,7 @@ step_end() {
 # name:pgid:grace. Cleanup stops the groups newest first: SIGTERM, SIGKILL after grace seconds.
 groups=()
 cp_started=0
+node_started=0
 start_group() {
   local name=$1 grace=$2 log=$3; shift 3
   setsid "$@" </dev/null >"$log" 2>&1 &
@@ -71,12 +72,18 @@ cleanup() {
     IFS=: read -r name pg grace <<<"${groups[i]}"
     stop_group "$name" "$pg" "$grace"
   done
+  # The node before the control plane: its pods (the agent, the workloads) are killed with it, and
+  # nothing of it (mounts, cgroups, the bridge) outlives the run.
+  if [ "$node_started" = 1 ]; then
+    [ -n "${agent_log_saver:-}" ] && $agent_log_saver
+    "$root/scripts/start-node.sh" --stop "$W/node" >>"$W/node.log" 2>&1
+  fi
   if [ "$cp_started" = 1 ]; then "$root/scripts/start-control-plane.sh" --stop "$W/cp" >>"$W/control-plane.log" 2>&1; fi
   [ ${#stopped[@]} -eq 0 ] || echo "cleanup: stopped (SIGTERM to exit) $(IFS=,; echo "${stopped[*]}" | sed 's/,/, /g'); control plane"
   if [ "$rc" -eq 0 ] && [ ${#failed[@]} -eq 0 ] && [ "${VELERO_SMOKE_KEEP:-0}" != 1 ]; then
     rm -rf "$W"
   else
-    echo "work directory kept: $W (velero-server.log, agent.log, fake-kubelet.log, s3/moto.log, cp/*.log)"
+    echo "work directory kept: $W (velero-server.log, agent.log, node/{kubelet,containerd}.log, s3/moto.log, cp/*.log)"
   fi
   if [ ${#failed[@]} -gt 0 ]; then
     echo "velero-smoke${VELERO_VERSION:+ $VELERO_VERSION}: what failed (step: check):"
@@ -90,7 +97,8 @@ cleanup() {
 die() {
   echo "FATAL: $*"
   failed+=("${step_name:-}: FATAL $*")
-  for f in agent.log velero-server.log fake-kubelet.log; do
+  [ -n "${agent_log_saver:-}" ] && $agent_log_saver
+  for f in agent.log velero-server.log node/kubelet.log; do
     [ -f "$W/$f" ] && { echo "--- last lines of $W/$f"; tail -n 25 "$W/$f"; }
   done
   exit 1

@@ -1,0 +1,90 @@
+# Case 9 of scripts/velero-smoke.sh (sourced; uses its helpers and variables): the agent's pod
+# replaced on the real node while it backs up, the two ways a node replaces it:
+#
+#   delete   `kubectl delete pod` of the agent's pod: the kubelet sends SIGTERM (grace period 60 s),
+#            the DaemonSet controller makes a new pod;
+#   rollout  a new image tag set on the DaemonSet (`kubectl set image`), as an upgrade does: the
+#            DaemonSet controller deletes the old pod and makes one from the new image.
+#
+# Either way: the old pod's uploader stops with it (none left on the node), the new pod runs the
+# interrupted PodVolumeBackup again (the agent leaves it InProgress on SIGTERM and runs this
+# node's unfinished objects at start), and the object ends Completed with its snapshot or Failed
+# saying why -- never stranded InProgress; the Backup ends accordingly; no finalizer, no restic
+# lock left in the repository.
+
+# The volume of case 4/5 (SLOW) gets a new sparse file each time, so that restic, given the last
+# snapshot as parent, cannot skip it. kopia reads 16 GiB of zeros in 10-25 s here, restic 12 GiB in
+# 12-25 s: long enough to be seen running and replaced, short enough to run twice.
+case9_agent_pod_replaced() {
+  local how=$1 b="b-pod-$1" size old_pod old_pids new_pod phase msg t0 left d
+  d=$(voldir "$SLOW" slow data)
+  step_begin "case 9 ($how): the agent's pod replaced mid-backup ($([ "$how" = delete ] && echo 'kubectl delete pod' || echo 'DaemonSet rollout to a new image tag'))"
+  if [ "$UPLOADER" = kopia ]; then size=16G; else size=12G; fi
+  rm -f "$d"/huge*.img
+  truncate -s "$size" "$d/huge-$how.img"
+  backup_backing_up_slow "$b"
+  old_pod=$ds_pod
+  old_pids=$(uploader_pids | tr '\n' ' ')
+  save_agent_log
+  echo "  PodVolumeBackup $(pvb_of "$b" metadata.name) InProgress, $UPLOADER PID(s) $old_pids in pod $old_pod; replacing the pod"
+  t0=$SECONDS
+  if [ "$how" = delete ]; then
+    k -n "$VNS" delete pod "$old_pod" --wait=false >/dev/null
+  else
+    local new_ref="${agent_ref%:*}:rollout"
+    NODE_BIN=$node_bin "$root/scripts/start-node.sh" --tag "$W/node" "$agent_ref" "$new_ref" 2>>"$W/node.log"
+    k -n "$VNS" set image daemonset/node-agent "node-agent=$new_ref" >/dev/null
+  fi
+  # The old pod's processes end within its grace period: the agent stops its uploader's process
+  # group on SIGTERM, and the kubelet kills what is left after 60 s.
+  old_gone() { local p; for p in $old_pids; do [ -e "/proc/$p" ] && return 1; done; return 0; }
+  settle 90 old_gone || true
+  echo "  the old pod's $UPLOADER gone after $((SECONDS - t0)) s"
+  check "$how: the old pod's $UPLOADER ($old_pids) is gone" old_gone
+  new_pod_ready() {
+    local name
+    name=$(k -n "$VNS" get pods -l name=node-agent --field-selector "spec.nodeName=$NODE" \
+      -o jsonpath='{range .items[*]}{.metadata.name} {.status.conditions[?(@.type=="Ready")].status} {.metadata.deletionTimestamp}{"\n"}{end}' 2>/dev/null \
+      | awk -v old="$old_pod" '$1 != old && $2 == "True" && $3 == "" {print $1}')
+    [ -n "$name" ] && new_pod=$name
+  }
+  if ! settle 180 new_pod_ready; then
+    k -n "$VNS" get pods -o wide >&2 || true
+    k -n "$VNS" get daemonset node-agent -o jsonpath='{.metadata.generation} {.status}{"\n"}' >&2 || true
+    k -n "$VNS" get controllerrevisions -o wide >&2 || true
+    k -n "$VNS" get events --sort-by=.lastTimestamp 2>/dev/null | tail -n 15 >&2 || true
+    die "no new Ready agent pod on $NODE within 180 s after the old one ($old_pod) was replaced"
+  fi
+  use_agent_pod "$new_pod"
+  echo "  new pod $new_pod Ready after $((SECONDS - t0)) s, image $(k -n "$VNS" get pod "$new_pod" -o jsonpath='{.spec.containers[0].image}'), agent PID $agent_pid"
+  [ "$how" = rollout ] && check "rollout: the new pod runs the new tag" \
+    [ "$(k -n "$VNS" get pod "$new_pod" -o jsonpath='{.spec.containers[0].image}')" = "${agent_ref%:*}:rollout" ]
+  pvb_terminal() { case "$(pvb_of "$b" status.phase)" in Completed | Failed | Canceled) return 0 ;; *) return 1 ;; esac; }
+  settle "$TIMEOUT" pvb_terminal || true
+  settle "$TIMEOUT" backup_ended "$b" || true
+  phase=$(pvb_of "$b" status.phase) msg=$(pvb_of "$b" status.message)
+  echo "  PodVolumeBackup: phase $phase $((SECONDS - t0)) s after the pod was replaced, starts (annotation podvolume-agent.io/attempts) $(pvb_of "$b" 'metadata.annotations.podvolume-agent\.io/attempts'),"\
+    "snapshotID $(pvb_of "$b" status.snapshotID), progress $(pvb_of "$b" status.progress), message: $(cut -c1-200 <<<"$msg")"
+  echo "  Backup $b: phase $(backup_phase "$b"), errors $(k -n "$VNS" get backup "$b" -o jsonpath='{.status.errors}')"
+  check "$how: the PodVolumeBackup is not left InProgress: Completed, or Failed with its cause" \
+    eval '[ "$phase" = Completed ] || { [ "$phase" = Failed ] && [ -n "$msg" ]; }'
+  if [ "$phase" = Completed ]; then
+    check "$how: the Completed PodVolumeBackup reports its snapshot" [ -n "$(pvb_of "$b" status.snapshotID)" ]
+    check "$how: the Backup ends Completed with it" [ "$(backup_phase "$b")" = Completed ]
+  fi
+  check "$how: the new pod ran it (its log names the PodVolumeBackup)" \
+    eval 'save_agent_log; grep -qF "$(pvb_of "$b" metadata.name)" "$W/agent.log"'
+  no_uploader() { [ "$(uploaders)" -eq 0 ]; }
+  settle 30 no_uploader || true
+  left=$(pgrep -x "$UPLOADER" | tr '\n' ' ' || true)
+  check "$how: no $UPLOADER process left on the node${left:+ (left: $left)}" [ -z "$left" ]
+  check "$how: the agent's finalizer is gone" eval '! pvb_of "$b" metadata.finalizers | grep -q pod-volume-finalizer'
+  if [ "$UPLOADER" = restic ]; then
+    local locks
+    locks=$(env -i PATH="$PATH" HOME="$W/restic-check" RESTIC_PASSWORD="$repo_password" AWS_ACCESS_KEY_ID="$ak" AWS_SECRET_ACCESS_KEY="$sk" \
+      "$restic" --repo "$(restic_repo_of "$SLOW")" --cacert "$W/s3/ca.pem" --no-cache --no-lock list locks 2>"$W/restic-locks.err" | wc -l) \
+      || locks="? ($(tail -n 1 "$W/restic-locks.err"))"
+    check "$how: no lock left in the restic repository (restic list locks: $locks)" [ "$locks" = 0 ]
+  fi
+  step_end
+}
