@@ -1047,6 +1047,11 @@ pub fn classify(exit: ExitInfo, facts: &RunFacts, stopped: bool, direction: Dire
         first_failed_items: facts.first_failed_items.clone(),
         truncated_frames: facts.truncated_frames,
         repository_created: false,
+        incomplete_snapshot_id: if backup && incomplete.is_some() {
+            manifest_id.clone()
+        } else {
+            None
+        },
     }
 }
 

@@ -195,6 +195,10 @@ pub struct Outcome {
     /// `init_missing_repository`): a mistyped repository becomes a new, empty one, which the
     /// caller must be told.
     pub repository_created: bool,
+    /// kopia's manifest of a snapshot it saved incomplete (a cancel, fail-fast): not a result,
+    /// but in the repository (with the pin the agent asked for) until someone deletes it.
+    #[serde(skip)]
+    pub incomplete_snapshot_id: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -318,6 +322,7 @@ impl Outcome {
             first_failed_items: Vec::new(),
             truncated_frames: 0,
             repository_created: false,
+            incomplete_snapshot_id: None,
         }
     }
 

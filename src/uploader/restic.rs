@@ -623,6 +623,7 @@ pub fn classify(exit: ExitInfo, facts: &RunFacts, stopped: bool, mode: Direction
                 first_failed_items: Vec::new(),
                 truncated_frames: facts.truncated_frames,
                 repository_created: false,
+                incomplete_snapshot_id: None,
             };
         }
         // 0.17/0.18 sometimes end an interrupted run with exit 1 and "context canceled".
@@ -672,6 +673,7 @@ pub fn classify(exit: ExitInfo, facts: &RunFacts, stopped: bool, mode: Direction
         first_failed_items: facts.first_failed_items.clone(),
         truncated_frames: facts.truncated_frames,
         repository_created: false,
+        incomplete_snapshot_id: None,
     }
 }
 

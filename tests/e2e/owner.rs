@@ -10,10 +10,14 @@ use podvolume_agent::crd::Phase;
 use serde_json::json;
 
 use super::harness::*;
-use super::{LONG, NODE, running_backup_at, status};
+use super::{LONG, NODE, backed_up, running_backup_at, status};
 
 async fn set_backup_phase(env: &Env, name: &str, phase: &str) {
-    let gvk = GroupVersionKind::gvk("velero.io", "v1", "Backup");
+    set_phase(env, "Backup", name, phase).await;
+}
+
+async fn set_phase(env: &Env, kind: &str, name: &str, phase: &str) {
+    let gvk = GroupVersionKind::gvk("velero.io", "v1", kind);
     let api: Api<DynamicObject> =
         Api::namespaced_with(env.client.clone(), &env.ns, &ApiResource::from_gvk(&gvk));
     api.patch(
@@ -180,5 +184,36 @@ async fn a_snapshot_completed_after_its_backup_ended_is_removed_from_the_reposit
         env.restic_locks()
     );
     tokio::time::sleep(Duration::from_millis(100)).await;
+    env.cleanup().await;
+}
+
+/// The same for a restore: a PodVolumeRestore whose Restore has already failed writes nothing
+/// into the volume.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restore_whose_restore_already_failed_is_never_started() {
+    let env = Env::new(Flavour::Velero).await;
+    let (agent, _src, id, _total) = backed_up(&env, &[("a.bin", 1 << 20)]).await;
+    let (dst_pod, dst) = env.create_pod("owner-dst-pod", NODE, &["data"]).await;
+    let restore = env.create_restore("r-failed").await;
+    set_phase(&env, "Restore", "r-failed", "Failed").await;
+    env.create_pvr("pvr-owner-failed", &dst_pod, "data", &id, &restore)
+        .await;
+    let r = env
+        .wait_pvr(
+            "pvr-owner-failed",
+            &[Phase::Completed, Phase::Failed, Phase::Canceled],
+            LONG,
+        )
+        .await;
+    let st = r.status.clone().unwrap();
+    assert_eq!(st.phase, Some(Phase::Canceled), "{st:?}\n{}", agent.logs());
+    assert_eq!(
+        st.message.as_deref(),
+        Some("restore r-failed ended (Failed) before the restore started")
+    );
+    assert!(
+        !dst["data"].join("a.bin").exists(),
+        "the volume was written"
+    );
     env.cleanup().await;
 }
