@@ -435,16 +435,16 @@ repo_password=$(k -n "$VNS" get secret velero-repo-credentials -o jsonpath='{.da
 ak=$(sed -n 's/^aws_access_key_id = //p' "$W/cloud"); sk=$(sed -n 's/^aws_secret_access_key = //p' "$W/cloud")
 # kopia_list <label>: `kopia snapshot list --all --json` of the namespace's repository, through a
 # fresh read-only connection as Velero's identity (default@default), into $W/kopia-<label>.json.
-kopia_list() {
-  local d=$W/kopia-check/$1
+kopia_list() { # <label> [namespace of the repository, default $APP]
+  local d=$W/kopia-check/$1 ns=${2:-$APP}
   mkdir -p "$d"
   kenv=(env -i PATH="$PATH" HOME="$d" KOPIA_PASSWORD="$repo_password" AWS_ACCESS_KEY_ID="$ak"
     AWS_SECRET_ACCESS_KEY="$sk" KOPIA_CHECK_FOR_UPDATES=false KOPIA_LOG_DIR="$d/logs")
   "${kenv[@]}" "$kopia" repository connect s3 --config-file "$d/repository.config" --cache-directory "$d/cache" \
-    --bucket "$BUCKET" --prefix "$PREFIX/kopia/$APP/" --endpoint "$node_ip:$s3_port" --region us-east-1 \
+    --bucket "$BUCKET" --prefix "$PREFIX/kopia/$ns/" --endpoint "$node_ip:$s3_port" --region us-east-1 \
     --root-ca-pem-path "$W/s3/ca.pem" --override-username=default --override-hostname=default --readonly \
-    >"$d/connect.log" 2>&1 || { fail "kopia repository connect s3 (bucket $BUCKET, prefix $PREFIX/kopia/$APP/): $(tail -n 3 "$d/connect.log")"; return 1; }
-  "${kenv[@]}" "$kopia" snapshot list --all --json --config-file "$d/repository.config" >"$W/kopia-$1.json" 2>"$d/list.log" \
+    >"$d/connect.log" 2>&1 || { fail "kopia repository connect s3 (bucket $BUCKET, prefix $PREFIX/kopia/$ns/): $(tail -n 3 "$d/connect.log")"; return 1; }
+  "${kenv[@]}" "$kopia" snapshot list --all --incomplete --json --config-file "$d/repository.config" >"$W/kopia-$1.json" 2>"$d/list.log" \
     || { fail "kopia snapshot list --all: $(tail -n 3 "$d/list.log")"; return 1; }
 }
 # restic_list <label> [repository]: `restic snapshots --json` of a namespace's repository (the
@@ -752,6 +752,7 @@ curl -fsS "http://$agent_ip:8085/metrics" 2>/dev/null | grep -E '^podvolume_agen
 # --- case 9: the agent's pod replaced mid-backup: tools/velero-smoke/node-faults.sh ----------------
 case9_agent_pod_replaced delete
 case9_agent_pod_replaced rollout
+case10_backup_deleted_mid_transfer
 
 # --- case 7 (kopia): tools/velero-smoke/kopia-cases.sh ---------------------------------------------
 if [ "$UPLOADER" = kopia ]; then case7_velero_node_agent_beside_ours; fi

@@ -110,6 +110,12 @@ async fn run(ctx: Arc<Context>, pvb: PodVolumeBackup, token: CancellationToken) 
         ctx.metrics.uploader_exit(outcome.kind.class());
         ctx.metrics.truncated(outcome.truncated_frames);
         if reason == Some(CancelReason::Shutdown) {
+            // The next start runs it again; kopia's incomplete snapshot of this run goes first.
+            if let Some(id) = &outcome.incomplete_snapshot_id
+                && let Err(e) = ctx.engine.forget_snapshot(uploader, &access, id).await
+            {
+                tracing::warn!(snapshot = %id, error = %prepared.location.redact(&e), "could not delete kopia's incomplete snapshot");
+            }
             tracing::info!("left for the next agent start to run again");
             return;
         }

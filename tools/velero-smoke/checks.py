@@ -297,6 +297,25 @@ def main():
                   f"PodVolumeRestore {key} restores the PVB's snapshot {snap.get(key)}", o["spec"].get("snapshotID"))
             check(o["metadata"]["labels"].get("velero.io/restore-uid") == restore["metadata"]["uid"],
                   f"PodVolumeRestore {key} belongs to restore {restore['metadata']['name']}")
+    elif cmd == "orphans":
+        # orphans REPO_JSON BACKUPS_JSON PVBS_JSON kopia|restic: every snapshot in the repository
+        # is the snapshotID of a PodVolumeBackup whose Backup exists.
+        snaps, backups, pvbs, uploader = load(args[0]), load(args[1])["items"], load(args[2])["items"], args[3]
+        existing = {b["metadata"]["name"] for b in backups}
+        kept = {p.get("status", {}).get("snapshotID") for p in pvbs
+                if p["metadata"].get("labels", {}).get("velero.io/backup-name") in existing}
+        kept.discard(None)
+        kept.discard("")
+        ids = []
+        for s in snaps or []:
+            if uploader == "kopia":
+                ids.append((s["id"], s.get("incomplete") or "complete"))
+            else:
+                ids.append((s["short_id"] if s["short_id"] in kept else s["id"], "restic"))
+        info(f"repository of the slow volume: {len(ids)} snapshot(s) {ids}; referenced by a PVB of an existing Backup: {sorted(kept)}")
+        stray = [i for i in ids if i[0] not in kept]
+        check(not stray, "no snapshot in the repository outside a Backup (none left by a stopped, replaced or orphaned transfer)",
+              f"not referenced: {stray}")
     elif cmd == "same-tree":
         a, b, label = tree(args[0]), tree(args[1]), args[2]
         # same-tree SRC DST LABEL [RESTORE_UID]: the done file Velero's restore helper waited for

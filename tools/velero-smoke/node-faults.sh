@@ -89,3 +89,55 @@ case9_agent_pod_replaced() {
   fi
   step_end
 }
+
+# Case 10: a Backup deleted mid-transfer (`kubectl delete backup`; `velero backup delete` refuses
+# a backup in progress). The garbage collector deletes its PodVolumeBackup (owner reference) and
+# the agent sees the Backup gone: either way the transfer stops, the object goes, no uploader,
+# finalizer or restic lock is left. Then the slow volume's repository is listed: every snapshot
+# in it belongs to a PodVolumeBackup of a Backup that exists (nothing orphaned by cases 4, 5, 9
+# and 10; kopia's incomplete snapshots included).
+case10_backup_deleted_mid_transfer() {
+  local b=b-deleted size pvb d t0 left repo_json
+  step_begin "case 10: a Backup deleted mid-transfer (kubectl delete backup), then no snapshot outside a Backup"
+  d=$(voldir "$SLOW" slow data)
+  if [ "$UPLOADER" = kopia ]; then size=16G; else size=12G; fi
+  rm -f "$d"/huge*.img
+  truncate -s "$size" "$d/huge-deleted.img"
+  backup_backing_up_slow "$b"
+  pvb=$(pvb_of "$b" metadata.name)
+  pause_uploaders STOP
+  t0=$SECONDS
+  k -n "$VNS" delete backup "$b" --wait=false >/dev/null
+  pvb_gone() { ! k -n "$VNS" get podvolumebackup "$pvb" >/dev/null 2>&1; }
+  settle "$TIMEOUT" pvb_gone || true
+  pause_uploaders CONT
+  echo "  PodVolumeBackup $pvb gone $((SECONDS - t0)) s after its Backup was deleted"
+  check "the PodVolumeBackup of the deleted Backup is gone (garbage-collected, our finalizer released)" pvb_gone
+  save_agent_log
+  # The agent's JSON log: "stopping the transfer" in the PVB's span, the reason Deleted (the
+  # collector came first) or OwnerDone (the agent saw the Backup gone first).
+  check "the agent stopped the transfer (its log: stopping the transfer, reason Deleted or OwnerDone)" \
+    eval 'grep -F "\"name\":\"$pvb\"" "$W/agent.log" | grep -F "stopping the transfer" | grep -qE "\"reason\":\"(Deleted|OwnerDone)\""'
+  grep -F "\"name\":\"$pvb\"" "$W/agent.log" | grep -F "stopping the transfer" | cut -c1-200 | sed 's/^/  | /' || true
+  no_uploader() { [ "$(uploaders)" -eq 0 ]; }
+  settle 30 no_uploader || true
+  left=$(pgrep -x "$UPLOADER" | tr '\n' ' ' || true)
+  check "no $UPLOADER process left on the node${left:+ (left: $left)}" [ -z "$left" ]
+  if [ "$UPLOADER" = restic ]; then
+    local locks
+    locks=$(env -i PATH="$PATH" HOME="$W/restic-check" RESTIC_PASSWORD="$repo_password" AWS_ACCESS_KEY_ID="$ak" AWS_SECRET_ACCESS_KEY="$sk" \
+      "$restic" --repo "$(restic_repo_of "$SLOW")" --cacert "$W/s3/ca.pem" --no-cache --no-lock list locks 2>"$W/restic-locks.err" | wc -l) \
+      || locks="? ($(tail -n 1 "$W/restic-locks.err"))"
+    check "no lock left in the restic repository (restic list locks: $locks)" [ "$locks" = 0 ]
+  fi
+  step_end
+  # Every snapshot of the slow volume's repository against the PVBs of the Backups that exist.
+  if [ "$UPLOADER" = kopia ]; then
+    kopia_list slow "$SLOW" && repo_json=$W/kopia-slow.json
+  else
+    restic_list slow "$(restic_repo_of "$SLOW")" && repo_json=$W/restic-slow.json
+  fi
+  k -n "$VNS" get backups -o json >"$W/backups-end.json"
+  k -n "$VNS" get podvolumebackups -o json >"$W/pvbs-end.json"
+  [ -n "${repo_json:-}" ] && pycheck orphans "$repo_json" "$W/backups-end.json" "$W/pvbs-end.json" "$UPLOADER"
+}
