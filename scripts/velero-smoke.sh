@@ -71,6 +71,13 @@
 #      while our agent backs up: it sets spec.cancel on our running PodVolumeBackup, ours stops
 #      kopia and ends it Canceled; what a PodVolumeBackup created with both running gets is
 #      printed (a race: not asserted). velero server is stopped first (both bind :8080).
+#   9. the agent's pod replaced mid-backup, by `kubectl delete pod` and by a DaemonSet rollout to
+#      a new image tag (tools/velero-smoke/node-faults.sh): the old pod's uploader gone, the new
+#      pod starts the PodVolumeBackup again (attempts 2) -> Completed with its snapshot, or Failed
+#      with the cause; no uploader, finalizer or restic lock left.
+#  10. a Backup deleted mid-transfer with kubectl: the PodVolumeBackup stopped and gone; then
+#      every snapshot in the slow volume's repository belongs to a PodVolumeBackup of a Backup
+#      that exists (kopia's incomplete ones included): nothing pinned outside a Backup.
 #   (Velero refuses to delete a backup that is still in progress -- its DeleteBackupRequest ends
 #   with "backup is still in progress" -- so a deletion mid-transfer never reaches the agent
 #   through Velero; deleting a PodVolumeBackup itself is tests/e2e's deleting_a_running_backup.)
@@ -78,10 +85,10 @@
 # Prints PASS/FAIL per check with the figures, the time per step, and exits 1 if any check failed
 # (the work directory, with every log, is then kept and named).
 #
-# Measured warm (tools built, 2 cores, within the test command): 1.18.3 104 s, 1.16.2 156 s;
-# each starts the control plane in 12 s, backs up in 12-15 s (Velero polls each pod's
-# PodVolumeBackups every 5 s), restores in 8-12 s, spends about 15 s on case 8, and on case 4
-# 22 s (1.18.3) or 45 s (1.16.2: restic must read all of its 12 GiB after the pause).
+# Measured warm (tools built, 2 cores, alone): 1.18.3 199 s, 1.16.2 167 s; each starts the
+# control plane and the node in 21-23 s, backs up in 12-15 s (Velero polls each pod's
+# PodVolumeBackups every 5 s), restores in 8-12 s, spends about 15 s on case 8, 16-22 s on case
+# 4, 17 s (restic) or 32 s (kopia) on each half of case 9 (the backup runs twice).
 #
 # Environment:
 #   VELERO_SMOKE_DIR      work directory (default: a new /tmp/velero-smoke.XXXXXX)
