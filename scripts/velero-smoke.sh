@@ -78,6 +78,9 @@
 #  10. a Backup deleted mid-transfer with kubectl: the PodVolumeBackup stopped and gone; then
 #      every snapshot in the slow volume's repository belongs to a PodVolumeBackup of a Backup
 #      that exists (kopia's incomplete ones included): nothing pinned outside a Backup.
+#  11. a Restore deleted mid-transfer with kubectl (restoring case 9's backup into a new
+#      namespace): the agent stops the uploader; the PodVolumeRestore ends Canceled/Failed saying
+#      why, or is collected with its owner; no uploader left.
 #   (Velero refuses to delete a backup that is still in progress -- its DeleteBackupRequest ends
 #   with "backup is still in progress" -- so a deletion mid-transfer never reaches the agent
 #   through Velero; deleting a PodVolumeBackup itself is tests/e2e's deleting_a_running_backup.)
@@ -760,6 +763,7 @@ curl -fsS "http://$agent_ip:8085/metrics" 2>/dev/null | grep -E '^podvolume_agen
 case9_agent_pod_replaced delete
 case9_agent_pod_replaced rollout
 case10_backup_deleted_mid_transfer
+case11_restore_deleted_mid_transfer
 
 # --- case 7 (kopia): tools/velero-smoke/kopia-cases.sh ---------------------------------------------
 if [ "$UPLOADER" = kopia ]; then case7_velero_node_agent_beside_ours; fi

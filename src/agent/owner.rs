@@ -86,6 +86,8 @@ pub enum OwnerState {
     Done(String),
     /// It no longer exists (deleted, or replaced by one of the same name).
     Gone,
+    /// It is being deleted (a finalizer holds it): it will not read the result either.
+    Deleting,
 }
 
 impl OwnerState {
@@ -95,6 +97,7 @@ impl OwnerState {
             OwnerState::Waiting => None,
             OwnerState::Done(phase) => Some(format!("{} ended ({phase})", owner.describe())),
             OwnerState::Gone => Some(format!("{} no longer exists", owner.describe())),
+            OwnerState::Deleting => Some(format!("{} is being deleted", owner.describe())),
         }
     }
 }
@@ -122,8 +125,8 @@ pub fn state_of_phase(phase: &str) -> OwnerState {
     }
 }
 
-/// What a read found: (uid, phase), or None when the owner does not exist.
-type Found = Option<(String, String)>;
+/// What a read found: (uid, phase, being deleted), or None when the owner does not exist.
+type Found = Option<(String, String, bool)>;
 
 /// Reads owners through a cache of one `--update-interval`.
 pub struct OwnerCheck {
@@ -171,8 +174,9 @@ impl OwnerCheck {
         };
         match found {
             None => OwnerState::Gone,
-            Some((uid, _)) if owner.uid.as_ref().is_some_and(|u| *u != uid) => OwnerState::Gone,
-            Some((_, phase)) => state_of_phase(&phase),
+            Some((uid, _, _)) if owner.uid.as_ref().is_some_and(|u| *u != uid) => OwnerState::Gone,
+            Some((_, _, true)) => OwnerState::Deleting,
+            Some((_, phase, false)) => state_of_phase(&phase),
         }
     }
 
@@ -195,7 +199,8 @@ impl OwnerCheck {
                     .and_then(|p| p.as_str())
                     .unwrap_or_default()
                     .to_string();
-                Ok(Some((o.metadata.uid.unwrap_or_default(), phase)))
+                let deleting = o.metadata.deletion_timestamp.is_some();
+                Ok(Some((o.metadata.uid.unwrap_or_default(), phase, deleting)))
             }
             // Only "this object does not exist" means gone: a 404 because the kind is not served
             // (a cluster with the PodVolume CRDs but not Velero's Backup/Restore) says nothing.
@@ -328,6 +333,10 @@ mod tests {
         assert_eq!(
             OwnerState::Gone.stop_reason(&owner).unwrap(),
             "backup b no longer exists"
+        );
+        assert_eq!(
+            OwnerState::Deleting.stop_reason(&owner).unwrap(),
+            "backup b is being deleted"
         );
     }
 }

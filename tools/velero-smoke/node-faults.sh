@@ -141,3 +141,48 @@ case10_backup_deleted_mid_transfer() {
   k -n "$VNS" get podvolumebackups -o json >"$W/pvbs-end.json"
   [ -n "${repo_json:-}" ] && pycheck orphans "$repo_json" "$W/backups-end.json" "$W/pvbs-end.json" "$UPLOADER"
 }
+
+# Case 11: a Restore deleted mid-transfer (`kubectl delete restore`) while the agent restores the
+# slow volume's 12-16 GiB into a new namespace: the agent sees the Restore being deleted (or
+# gone) and stops the uploader; the PodVolumeRestore ends Canceled/Failed saying so, or is
+# collected with its owner; no uploader or restic lock is left.
+case11_restore_deleted_mid_transfer() {
+  local r=r-deleted target="$SLOW-r" pvr t0 left phase rc=0
+  step_begin "case 11: a Restore deleted mid-transfer (kubectl delete restore)"
+  bounded "$W/restore-deleted.out" "${vel_cmd[@]}" restore create "$r" --from-backup b-pod-delete \
+    --namespace-mappings "$SLOW:$target" || rc=$?
+  check "velero restore create $r returned 0" [ "$rc" -eq 0 ]
+  pvr_of() { k -n "$VNS" get podvolumerestores -l "velero.io/restore-name=$r" -o jsonpath="{.items[0].$1}" 2>/dev/null; }
+  pvr_moving() { [ "$(pvr_of status.phase)" = InProgress ] && [ "$(uploaders)" -ge 1 ]; }
+  wait_until "$TIMEOUT" "the PodVolumeRestore of $r InProgress with $UPLOADER running" pvr_moving
+  pvr=$(pvr_of metadata.name)
+  pause_uploaders STOP
+  t0=$SECONDS
+  k -n "$VNS" delete restore "$r" --wait=false >/dev/null
+  pvr_ended() {
+    k -n "$VNS" get podvolumerestore "$pvr" >/dev/null 2>&1 || return 0
+    case "$(k -n "$VNS" get podvolumerestore "$pvr" -o jsonpath='{.status.phase}')" in
+      Completed | Failed | Canceled) return 0 ;; *) return 1 ;;
+    esac
+  }
+  settle "$TIMEOUT" pvr_ended || true
+  pause_uploaders CONT
+  if k -n "$VNS" get podvolumerestore "$pvr" >/dev/null 2>&1; then
+    phase=$(k -n "$VNS" get podvolumerestore "$pvr" -o jsonpath='{.status.phase}')
+    echo "  PodVolumeRestore $pvr: $phase $((SECONDS - t0)) s after its Restore was deleted: $(k -n "$VNS" get podvolumerestore "$pvr" -o jsonpath='{.status.message}')"
+  else
+    phase=gone
+    echo "  PodVolumeRestore $pvr gone $((SECONDS - t0)) s after its Restore was deleted"
+  fi
+  check "the PodVolumeRestore of the deleted Restore is not left running: gone, Canceled or Failed" \
+    eval '[ "$phase" = gone ] || [ "$phase" = Canceled ] || [ "$phase" = Failed ]'
+  save_agent_log
+  grep -F "\"name\":\"$pvr\"" "$W/agent.log" | grep -F "stopping the transfer" | cut -c1-200 | sed 's/^/  | /' || true
+  check "the agent stopped the restore (its log: stopping the transfer, reason OwnerDone or Deleted)" \
+    eval 'grep -F "\"name\":\"$pvr\"" "$W/agent.log" | grep -F "stopping the transfer" | grep -qE "\"reason\":\"(Deleted|OwnerDone)\""'
+  no_uploader() { [ "$(uploaders)" -eq 0 ]; }
+  settle 30 no_uploader || true
+  left=$(pgrep -x "$UPLOADER" | tr '\n' ' ' || true)
+  check "no $UPLOADER process left on the node${left:+ (left: $left)}" [ -z "$left" ]
+  step_end
+}
