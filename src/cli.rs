@@ -151,6 +151,11 @@ pub struct RunArgs {
         conflicts_with = "no_init"
     )]
     pub init_missing_repository: bool,
+    /// An extended option for every restic command (`-o KEY=VALUE`), repeatable, e.g.
+    /// `azure.access-tier=Hot` or `s3.storage-class=STANDARD_IA`; the agent's own settings
+    /// (cache, CA, TLS) are not changed by it.
+    #[arg(long = "restic-option", env = "RESTIC_OPTIONS", value_delimiter = ',', value_name = "KEY=VALUE", value_parser = parse_restic_option)]
+    pub restic_options: Vec<String>,
     /// Never create a missing repository. The default since `--init-missing-repository` exists;
     /// kept so manifests that set it keep working.
     #[arg(long, env = "NO_INIT")]
@@ -193,6 +198,20 @@ pub struct RunArgs {
 /// A duration where `0` means "none".
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct OptionalDuration(pub Option<Duration>);
+
+/// `KEY=VALUE` with a dotted key (restic's extended options are `<backend>.<name>`).
+fn parse_restic_option(s: &str) -> Result<String, String> {
+    match s.split_once('=') {
+        Some((k, _))
+            if k.contains('.') && !k.starts_with('-') && !k.contains(char::is_whitespace) =>
+        {
+            Ok(s.to_string())
+        }
+        _ => Err(format!(
+            "{s:?}: expected KEY=VALUE with a restic option key such as azure.access-tier"
+        )),
+    }
+}
 
 /// A period something is done at: more than zero (a zero period is no period; the timers
 /// behind it cannot run at it).
@@ -260,6 +279,11 @@ pub struct CommonArgs {
     /// Accept any TLS certificate of the object store (restic `--insecure-tls`).
     #[arg(long, env = "PODVOLUME_INSECURE_TLS")]
     pub insecure_tls: bool,
+    /// An extended option for every restic command (`-o KEY=VALUE`), repeatable, e.g.
+    /// `azure.access-tier=Hot` or `s3.storage-class=STANDARD_IA`; the agent's own settings
+    /// (cache, CA, TLS) are not changed by it.
+    #[arg(long = "restic-option", env = "RESTIC_OPTIONS", value_delimiter = ',', value_name = "KEY=VALUE", value_parser = parse_restic_option)]
+    pub restic_options: Vec<String>,
     /// Private cache directory for the uploader (default: ~/.cache/podvolume-agent).
     #[arg(long, env = "PODVOLUME_CACHE_DIR")]
     pub cache_dir: Option<PathBuf>,

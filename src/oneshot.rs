@@ -65,6 +65,7 @@ fn access(common: &CommonArgs) -> Result<RepositoryAccess, String> {
         extra_env: Vec::new(),
         ca_cert,
         insecure_tls: common.insecure_tls,
+        restic_options: common.restic_options.clone(),
     })
 }
 

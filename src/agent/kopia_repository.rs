@@ -120,38 +120,49 @@ pub async fn ready_repository(
 }
 
 /// Where Velero put the kopia repository of `volume_namespace` in the location `spec`, as the
-/// repository string the uploader module takes (`s3:https://<endpoint>/<bucket>/<prefix>/`), and
-/// the region (for `AWS_REGION`). The prefix is `<location prefix>/kopia/<namespace>/`, with the
-/// trailing slash Velero's layout needs. S3 and S3-compatible locations only: kopia's own Azure
-/// and GCS support differs from the way Velero reaches them (its Azure access is a patched
-/// client), which this agent does not reproduce.
+/// repository string the uploader module takes, and the region (for `AWS_REGION`). The prefix is
+/// `<location prefix>/kopia/<namespace>/`, with the trailing slash Velero's layout needs; the
+/// bucket (an Azure container) is the location's. S3 and S3-compatible locations become
+/// `s3:<scheme>://<endpoint>/<bucket>/<prefix>/` (the endpoint from `config.s3Url`, else the
+/// region's AWS endpoint), Azure ones `azure:<container>:/<prefix>/` (account, key and endpoint
+/// come with the location's access, `storage::location_access`), GCS ones `gs:<bucket>:/<prefix>/`
+/// (Velero's kopia path reads no endpoint for GCS: `config.storeEndpoint` is its plugin's only).
 pub fn repository_location(
     spec: &StorageLocationSpec,
     what: &str,
     volume_namespace: &str,
 ) -> Result<(String, Option<String>), String> {
-    if Provider::of(spec) != Provider::Aws {
+    let provider = Provider::of(spec);
+    if provider == Provider::Other {
         return Err(format!(
-            "{what}: provider {:?} is not supported for kopia by this node agent (S3 and S3-compatible locations are)",
+            "{what}: provider {:?} is not one Velero's kopia repositories live in (aws, azure, gcp, or any provider with config.s3Url)",
             spec.provider
         ));
     }
-    let storage = spec.object_storage.clone().unwrap_or_default();
-    let bucket = storage
-        .bucket
-        .or_else(|| spec.config.get("bucket").cloned())
-        .unwrap_or_default()
-        .trim_matches('/')
-        .to_string();
+    // Velero reads config.bucket/prefix only when the location has no objectStorage at all.
+    let (bucket, prefix) = match spec.object_storage.clone() {
+        Some(o) => (o.bucket.unwrap_or_default(), o.prefix.unwrap_or_default()),
+        None => (
+            spec.config.get("bucket").cloned().unwrap_or_default(),
+            spec.config.get("prefix").cloned().unwrap_or_default(),
+        ),
+    };
+    let bucket = bucket.trim_matches('/').to_string();
+    let prefix = prefix.trim_matches('/').to_string();
     if bucket.is_empty() {
         return Err(format!("{what}: no bucket (spec.objectStorage.bucket)"));
     }
-    let prefix = storage
-        .prefix
-        .or_else(|| spec.config.get("prefix").cloned())
-        .unwrap_or_default()
-        .trim_matches('/')
-        .to_string();
+    let path = [prefix.as_str(), "kopia", volume_namespace]
+        .iter()
+        .filter(|p| !p.is_empty())
+        .copied()
+        .collect::<Vec<_>>()
+        .join("/");
+    match provider {
+        Provider::Azure => return Ok((format!("azure:{bucket}:/{path}/"), None)),
+        Provider::Gcp => return Ok((format!("gs:{bucket}:/{path}/"), None)),
+        _ => {}
+    }
     let region = spec.config.get("region").filter(|r| !r.is_empty()).cloned();
     let (scheme, endpoint) = match spec.config.get("s3Url").filter(|u| !u.is_empty()) {
         Some(url) => {
@@ -178,12 +189,6 @@ pub fn repository_location(
             ("https".to_string(), format!("s3-{r}.amazonaws.com"))
         }
     };
-    let path = [prefix.as_str(), "kopia", volume_namespace]
-        .iter()
-        .filter(|p| !p.is_empty())
-        .copied()
-        .collect::<Vec<_>>()
-        .join("/");
     Ok((format!("s3:{scheme}://{endpoint}/{bucket}/{path}/"), region))
 }
 
@@ -230,12 +235,13 @@ mod tests {
 
     #[test]
     fn locations_the_agent_cannot_reach_as_velero_does_are_refused_with_the_reason() {
-        let azure =
-            spec(serde_json::json!({"provider": "azure", "objectStorage": {"bucket": "b"}}));
+        let plugin = spec(
+            serde_json::json!({"provider": "example.com/x", "objectStorage": {"bucket": "b"}}),
+        );
         assert!(
-            repository_location(&azure, "BSL x", "ns")
+            repository_location(&plugin, "BSL x", "ns")
                 .unwrap_err()
-                .contains("not supported for kopia")
+                .contains("is not one Velero's kopia repositories live in")
         );
         let path = spec(serde_json::json!({
             "provider": "aws", "objectStorage": {"bucket": "b"},
@@ -258,6 +264,36 @@ mod tests {
             repository_location(&no_bucket, "BSL x", "ns")
                 .unwrap_err()
                 .contains("no bucket")
+        );
+    }
+
+    #[test]
+    fn azure_and_gcs_repositories_are_the_container_or_bucket_at_veleros_prefix() {
+        let azure = spec(serde_json::json!({
+            "provider": "velero.io/azure",
+            "objectStorage": {"bucket": "velero", "prefix": "/cluster-a/"},
+            "config": {"storageAccount": "acct", "region": "ignored"},
+        }));
+        assert_eq!(
+            repository_location(&azure, "BSL", "app").unwrap(),
+            ("azure:velero:/cluster-a/kopia/app/".to_string(), None)
+        );
+        let gcs = spec(serde_json::json!({
+            "provider": "gcp",
+            "objectStorage": {"bucket": "b"},
+            "config": {"storeEndpoint": "https://gcs.example/storage/v1/"},
+        }));
+        assert_eq!(
+            repository_location(&gcs, "BSL", "ns").unwrap(),
+            ("gs:b:/kopia/ns/".to_string(), None)
+        );
+        // Velero reads config.bucket and config.prefix only without objectStorage.
+        let from_config = spec(serde_json::json!({
+            "provider": "gcp", "config": {"bucket": "cb", "prefix": "cp"},
+        }));
+        assert_eq!(
+            repository_location(&from_config, "BSL", "ns").unwrap().0,
+            "gs:cb:/cp/kopia/ns/"
         );
     }
 

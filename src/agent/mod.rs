@@ -178,6 +178,7 @@ pub async fn repository_access(
             extra_env: location_access.extra_env.clone(),
             ca_cert: location_access.ca_cert.clone(),
             insecure_tls: location_access.insecure_tls,
+            restic_options: ctx.args.restic_options.clone(),
         },
         location_access,
     ))

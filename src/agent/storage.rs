@@ -304,37 +304,18 @@ async fn build(
             .extra_env
             .extend(file("GOOGLE_APPLICATION_CREDENTIALS", &credentials_file)),
         Provider::Azure => {
-            let account = spec
-                .config
-                .get("storageAccount")
-                .filter(|a| !a.is_empty())
-                .ok_or_else(|| format!("{what}: config.storageAccount is required for azure"))?;
-            // Velero's Azure credentials file is dotenv-style; the key's variable can be renamed
-            // with config.storageAccountKeyEnvVar.
-            let var = spec
-                .config
-                .get("storageAccountKeyEnvVar")
-                .filter(|v| !v.is_empty())
-                .map(String::as_str)
-                .unwrap_or("AZURE_STORAGE_ACCOUNT_ACCESS_KEY");
-            let path = credentials_file.as_ref().ok_or_else(|| {
-                format!(
-                    "{what}: azure needs a credentials file (spec.credential, or {})",
-                    default_credentials_file.display()
-                )
-            })?;
-            let text = std::fs::read_to_string(path)
-                .map_err(|e| format!("{what}: cannot read the credentials file: {e}"))?;
-            let key = dotenv_value(&text, var).ok_or_else(|| {
-                format!("{what}: the credentials file has no {var} (the storage account key)")
-            })?;
-            access.secrets.push(key.clone());
-            access
-                .extra_env
-                .push(("AZURE_ACCOUNT_NAME".to_string(), account.clone()));
-            access
-                .extra_env
-                .push(("AZURE_ACCOUNT_KEY".to_string(), key));
+            let azure = azure_access(
+                spec,
+                what,
+                credentials_file.as_deref(),
+                default_credentials_file,
+            )?;
+            access.secrets.push(azure.key.clone());
+            access.extra_env.extend([
+                ("AZURE_ACCOUNT_NAME".to_string(), azure.account),
+                ("AZURE_ACCOUNT_KEY".to_string(), azure.key),
+                ("AZURE_ENDPOINT_SUFFIX".to_string(), azure.endpoint_suffix),
+            ]);
         }
         Provider::Other => {}
     }
@@ -342,18 +323,174 @@ async fn build(
     Ok(access)
 }
 
+/// How an Azure location is reached by the uploaders: the account, its key and the endpoint
+/// suffix (`https://<account>.blob.<suffix>`).
+#[derive(Debug, PartialEq, Eq)]
+struct AzureAccess {
+    account: String,
+    key: String,
+    endpoint_suffix: String,
+}
+
+/// Velero's Azure rules (its `pkg/util/azure`): the credentials file is dotenv; the storage account
+/// key is the entry `config.storageAccountKeyEnvVar` names; with `config.useAAD=true` Velero
+/// authenticates with Azure AD (it still uses an `AZURE_STORAGE_KEY` entry when the file has
+/// one); with neither, Velero's server fetches the key through Azure Resource Manager. restic and
+/// the kopia CLI authenticate to Blob Storage with the key (or a SAS), so the last two forms
+/// end with what the location needs instead. The endpoint is `config.storageAccountURI` when set,
+/// else the blob endpoint of the cloud the file's `AZURE_CLOUD_NAME` names.
+fn azure_access(
+    spec: &StorageLocationSpec,
+    what: &str,
+    credentials_file: Option<&Path>,
+    default_credentials_file: &Path,
+) -> Result<AzureAccess, String> {
+    let config = |k: &str| {
+        spec.config
+            .get(k)
+            .map(|v| v.trim())
+            .filter(|v| !v.is_empty())
+    };
+    let account = config("storageAccount")
+        .ok_or_else(|| format!("{what}: config.storageAccount is required for azure"))?
+        .to_string();
+    let creds = match credentials_file {
+        Some(path) => {
+            let text = std::fs::read_to_string(path)
+                .map_err(|e| format!("{what}: cannot read the credentials file: {e}"))?;
+            dotenv_map(&text)
+        }
+        None => BTreeMap::new(),
+    };
+    let no_file = || {
+        format!(
+            "{what}: azure needs a credentials file with the storage account key (spec.credential, or {})",
+            default_credentials_file.display()
+        )
+    };
+    let key = if let Some(var) = config("storageAccountKeyEnvVar") {
+        if credentials_file.is_none() {
+            return Err(no_file());
+        }
+        creds
+            .get(var)
+            .filter(|k| !k.is_empty())
+            .cloned()
+            .ok_or_else(|| {
+                format!(
+                    "{what}: the credentials file has no {var}, the entry config.storageAccountKeyEnvVar names for the storage account key"
+                )
+            })?
+    } else {
+        let aad = match config("useAAD") {
+            None => false,
+            Some(v) => parse_go_bool(v)
+                .ok_or_else(|| format!("{what}: config.useAAD {v:?} is not a boolean"))?,
+        };
+        match creds
+            .get("AZURE_STORAGE_KEY")
+            .filter(|k| aad && !k.is_empty())
+        {
+            Some(k) => k.clone(),
+            None if aad => {
+                return Err(format!(
+                    "{what}: config.useAAD is true (Azure AD: service principal, certificate or workload identity); \
+                     the uploaders this agent runs reach Blob Storage with the storage account key: \
+                     put the key in the credentials file and name its entry in config.storageAccountKeyEnvVar"
+                ));
+            }
+            None => {
+                return Err(format!(
+                    "{what}: config.storageAccountKeyEnvVar is not set, so Velero's server fetches the storage \
+                     account key through Azure Resource Manager (resourceGroup, subscriptionId and an Azure AD \
+                     identity), which this agent does not do: put the key in the credentials file and name its \
+                     entry in config.storageAccountKeyEnvVar"
+                ));
+            }
+        }
+    };
+    let endpoint_suffix = match config("storageAccountURI") {
+        Some(uri) => account_uri_suffix(uri, &account)
+            .map_err(|why| format!("{what}: config.storageAccountURI {uri:?}: {why}"))?,
+        None => match creds
+            .get("AZURE_CLOUD_NAME")
+            .map(|c| c.to_ascii_uppercase())
+            .as_deref()
+            .unwrap_or("")
+        {
+            "" | "AZURECLOUD" | "AZUREPUBLICCLOUD" => "core.windows.net".to_string(),
+            "AZURECHINACLOUD" => "core.chinacloudapi.cn".to_string(),
+            "AZUREUSGOVERNMENT" | "AZUREUSGOVERNMENTCLOUD" => "core.usgovcloudapi.net".to_string(),
+            other => {
+                return Err(format!(
+                    "{what}: unknown cloud {other:?} (AZURE_CLOUD_NAME in the credentials file)"
+                ));
+            }
+        },
+    };
+    Ok(AzureAccess {
+        account,
+        key,
+        endpoint_suffix,
+    })
+}
+
+/// The endpoint suffix of an account URI `https://<account>.blob.<suffix>[/]`: the only form
+/// restic (`AZURE_ENDPOINT_SUFFIX`) and the kopia CLI (`--storage-domain`) can address.
+fn account_uri_suffix(uri: &str, account: &str) -> Result<String, String> {
+    let (scheme, rest) = uri
+        .split_once("://")
+        .ok_or_else(|| "not a URL".to_string())?;
+    if !scheme.eq_ignore_ascii_case("https") {
+        return Err(format!(
+            "the uploaders reach Blob Storage over HTTPS only, not {scheme}"
+        ));
+    }
+    let (host, path) = rest.split_once('/').unwrap_or((rest, ""));
+    if !path.trim_matches('/').is_empty() {
+        return Err(format!(
+            "has a path ({path:?}); the uploaders address an account only as https://{account}.blob.<domain>"
+        ));
+    }
+    let host = host.to_ascii_lowercase();
+    match host.strip_prefix(&format!("{}.blob.", account.to_ascii_lowercase())) {
+        Some(suffix) if !suffix.is_empty() && !suffix.contains('@') => Ok(suffix.to_string()),
+        _ => Err(format!(
+            "the uploaders address an account only as https://{account}.blob.<domain>; this host is {host:?}"
+        )),
+    }
+}
+
+/// Go's `strconv.ParseBool`, which Velero uses for its boolean config values.
+fn parse_go_bool(v: &str) -> Option<bool> {
+    match v {
+        "1" | "t" | "T" | "TRUE" | "true" | "True" => Some(true),
+        "0" | "f" | "F" | "FALSE" | "false" | "False" => Some(false),
+        _ => None,
+    }
+}
+
 fn looks_like_pem_certificate(pem: &[u8]) -> bool {
     std::str::from_utf8(pem).is_ok_and(|s| s.contains("-----BEGIN CERTIFICATE-----"))
 }
 
-/// `KEY=value` lines (optionally quoted, `export` allowed, `#` comments).
-fn dotenv_value(text: &str, key: &str) -> Option<String> {
-    text.lines().find_map(|line| {
-        let line = line.trim();
-        let line = line.strip_prefix("export ").unwrap_or(line);
-        let (k, v) = line.split_once('=')?;
-        (k.trim() == key).then(|| v.trim().trim_matches('"').trim_matches('\'').to_string())
-    })
+/// `KEY=value` lines (optionally quoted, `export` allowed, `#` comments), as Velero reads its
+/// Azure credentials file (godotenv); a later line wins.
+fn dotenv_map(text: &str) -> BTreeMap<String, String> {
+    text.lines()
+        .filter_map(|line| {
+            let line = line.trim();
+            if line.starts_with('#') {
+                return None;
+            }
+            let line = line.strip_prefix("export ").unwrap_or(line);
+            let (k, v) = line.split_once('=')?;
+            Some((
+                k.trim().to_string(),
+                v.trim().trim_matches('"').trim_matches('\'').to_string(),
+            ))
+        })
+        .collect()
 }
 
 /// The values in a credentials file (`key = value` / `KEY=value` lines, or the whole file), for
@@ -433,14 +570,15 @@ mod tests {
         assert!(v.contains(&"AKIAXYZ".to_string()));
         assert!(v.contains(&"s/e+cr3t".to_string()));
         assert!(!v.iter().any(|x| x == "aws_access_key_id"));
+        let map = dotenv_map(
+            "AZURE_SUBSCRIPTION_ID=x\n# KEY=no\nexport AZURE_STORAGE_ACCOUNT_ACCESS_KEY=\"k==\"\n",
+        );
         assert_eq!(
-            dotenv_value(
-                "AZURE_SUBSCRIPTION_ID=x\nexport AZURE_STORAGE_ACCOUNT_ACCESS_KEY=\"k==\"\n",
-                "AZURE_STORAGE_ACCOUNT_ACCESS_KEY"
-            )
-            .as_deref(),
+            map.get("AZURE_STORAGE_ACCOUNT_ACCESS_KEY")
+                .map(String::as_str),
             Some("k==")
         );
+        assert!(!map.contains_key("# KEY") && !map.contains_key("KEY"));
     }
 
     #[test]
@@ -523,7 +661,7 @@ mod tests {
         assert_eq!(env_of(&gcp), [("GOOGLE_APPLICATION_CREDENTIALS", f)]);
         assert!(!gcp.insecure_tls);
         let azure = built(
-            serde_json::json!({"provider": "azure", "config": {"storageAccount": "acct"}}),
+            serde_json::json!({"provider": "azure", "config": {"storageAccount": "acct", "storageAccountKeyEnvVar": "AZURE_STORAGE_ACCOUNT_ACCESS_KEY"}}),
             &file,
         )
         .await
@@ -532,7 +670,8 @@ mod tests {
             env_of(&azure),
             [
                 ("AZURE_ACCOUNT_NAME", "acct"),
-                ("AZURE_ACCOUNT_KEY", "azkey123")
+                ("AZURE_ACCOUNT_KEY", "azkey123"),
+                ("AZURE_ENDPOINT_SUFFIX", "core.windows.net"),
             ]
         );
         assert_eq!(azure.redact("key azkey123 leaked"), "key *** leaked");
@@ -591,6 +730,114 @@ mod tests {
         .await
         .unwrap_err();
         assert!(err.contains("holds no PEM certificate"), "{err}");
+    }
+
+    /// Velero's rules for the key and the endpoint, and the forms the uploaders cannot use.
+    #[tokio::test]
+    async fn azure_key_and_endpoint_as_velero_finds_them() {
+        let tmp = tempfile::tempdir().unwrap();
+        let file = tmp.path().join("cloud");
+        std::fs::write(
+            &file,
+            "AZURE_SUBSCRIPTION_ID=sub\nAZURE_RESOURCE_GROUP=rg\nAZURE_STORAGE_KEY=plainkey\nK=k1\n",
+        )
+        .unwrap();
+        let azure = |config: serde_json::Value| {
+            let file = file.clone();
+            async move {
+                built(
+                    serde_json::json!({"provider": "velero.io/azure", "config": config}),
+                    &file,
+                )
+                .await
+            }
+        };
+        // A production-style custom endpoint: its suffix, port kept.
+        let a = azure(
+            serde_json::json!({"storageAccount": "Acct", "storageAccountKeyEnvVar": "K",
+            "storageAccountURI": "https://acct.blob.storage.example:8443/"}),
+        )
+        .await
+        .unwrap();
+        assert_eq!(
+            env_of(&a)[2],
+            ("AZURE_ENDPOINT_SUFFIX", "storage.example:8443")
+        );
+        // No key variable and no AAD: Velero's server would ask Azure Resource Manager.
+        let err = azure(serde_json::json!({"storageAccount": "acct"}))
+            .await
+            .unwrap_err();
+        assert!(err.contains("Azure Resource Manager"), "{err}");
+        assert!(err.contains("config.storageAccountKeyEnvVar"), "{err}");
+        // AAD: Velero uses an AZURE_STORAGE_KEY entry when there is one ...
+        let a = azure(serde_json::json!({"storageAccount": "acct", "useAAD": "true"}))
+            .await
+            .unwrap();
+        assert_eq!(env_of(&a)[1], ("AZURE_ACCOUNT_KEY", "plainkey"));
+        // ... and without one the uploaders cannot authenticate.
+        std::fs::write(
+            &file,
+            "AZURE_TENANT_ID=t\nAZURE_CLIENT_ID=c\nAZURE_CLIENT_SECRET=s3cr3tvalue\n",
+        )
+        .unwrap();
+        let err = azure(serde_json::json!({"storageAccount": "acct", "useAAD": "true"}))
+            .await
+            .unwrap_err();
+        assert!(err.contains("config.useAAD is true"), "{err}");
+        assert!(!err.contains("s3cr3tvalue"), "{err}");
+        let err = azure(serde_json::json!({"storageAccount": "acct", "useAAD": "yes"}))
+            .await
+            .unwrap_err();
+        assert!(err.contains("is not a boolean"), "{err}");
+        let err = azure(
+            serde_json::json!({"storageAccount": "acct", "storageAccountKeyEnvVar": "MISSING"}),
+        )
+        .await
+        .unwrap_err();
+        assert!(err.contains("the credentials file has no MISSING"), "{err}");
+        // Sovereign clouds by the file's AZURE_CLOUD_NAME.
+        std::fs::write(&file, "K=k1\nAZURE_CLOUD_NAME=AzureChinaCloud\n").unwrap();
+        let a =
+            azure(serde_json::json!({"storageAccount": "acct", "storageAccountKeyEnvVar": "K"}))
+                .await
+                .unwrap();
+        assert_eq!(
+            env_of(&a)[2],
+            ("AZURE_ENDPOINT_SUFFIX", "core.chinacloudapi.cn")
+        );
+        std::fs::write(&file, "K=k1\nAZURE_CLOUD_NAME=Mars\n").unwrap();
+        let err =
+            azure(serde_json::json!({"storageAccount": "acct", "storageAccountKeyEnvVar": "K"}))
+                .await
+                .unwrap_err();
+        assert!(err.contains("unknown cloud"), "{err}");
+        // URIs the uploaders cannot address.
+        std::fs::write(&file, "K=k1\n").unwrap();
+        for (uri, why) in [
+            ("http://acct.blob.example", "over HTTPS only"),
+            ("https://127.0.0.1:10000/acct", "has a path"),
+            (
+                "https://storage.example",
+                "only as https://acct.blob.<domain>",
+            ),
+            (
+                "https://other.blob.example",
+                "only as https://acct.blob.<domain>",
+            ),
+        ] {
+            let err = azure(serde_json::json!({"storageAccount": "acct", "storageAccountKeyEnvVar": "K", "storageAccountURI": uri}))
+                .await
+                .unwrap_err();
+            assert!(err.contains(why), "{uri}: {err}");
+        }
+        // No credentials file at all.
+        let err = built(
+            serde_json::json!({"provider": "azure", "config": {"storageAccount": "acct", "storageAccountKeyEnvVar": "K"}}),
+            &tmp.path().join("none"),
+        )
+        .await
+        .unwrap_err();
+        assert!(err.contains("needs a credentials file"), "{err}");
     }
 
     #[test]

@@ -75,6 +75,13 @@ pub const SCRUBBED_ENV: &[&str] = &[
     "KOPIA_DISABLE_COLOR",
     // Would switch progress byte strings to base 2; the parser copes, but SI is what we expect.
     "KOPIA_BYTES_STRING_BASE_2",
+    // kopia's Azure flags read these: the repository's own are set from its access.
+    "AZURE_STORAGE_ACCOUNT",
+    "AZURE_STORAGE_KEY",
+    "AZURE_STORAGE_DOMAIN",
+    "AZURE_STORAGE_SAS_TOKEN",
+    // Replaced by a bundle with the location's CA when it has one (object storage that is not S3).
+    "SSL_CERT_FILE",
 ];
 
 /// Variables whose values are secrets: never shown by `Debug`.
@@ -82,6 +89,10 @@ const SECRET_ENV: &[&str] = &[
     "KOPIA_PASSWORD",
     "AWS_SECRET_ACCESS_KEY",
     "AWS_SESSION_TOKEN",
+    "AZURE_STORAGE_KEY",
+    "AZURE_STORAGE_SAS_TOKEN",
+    "AZURE_ACCOUNT_KEY",
+    "AZURE_ACCOUNT_SAS",
 ];
 
 /// A kopia invocation: argv (without the program) and environment. The environment holds the
@@ -176,10 +187,57 @@ fn base(access: &RepositoryAccess) -> Result<KopiaInvocation, Error> {
     for (k, v) in &access.extra_env {
         env.push((k.into(), v.into()));
     }
+    // kopia takes a CA for S3 only (`--root-ca-pem-path`, kept in its config); its Azure and GCS
+    // clients trust Go's root store, which SSL_CERT_FILE replaces: the system's roots plus the
+    // location's CA, on every command (they all talk to the store).
+    if let Some(ca) = &access.ca_cert
+        && matches!(
+            Storage::parse(&access.repository),
+            Ok(Storage::Azure { .. } | Storage::Gcs { .. })
+        )
+    {
+        env.push((
+            "SSL_CERT_FILE".into(),
+            ca_bundle(&dir, ca)?.into_os_string(),
+        ));
+    }
     Ok(KopiaInvocation {
         args: Vec::new(),
         env,
     })
+}
+
+/// Where Go looks for the system's roots on Linux (crypto/x509), in its order.
+const SYSTEM_ROOTS: &[&str] = &[
+    "/etc/ssl/certs/ca-certificates.crt",
+    "/etc/pki/tls/certs/ca-bundle.crt",
+    "/etc/ssl/ca-bundle.pem",
+    "/etc/pki/tls/cacert.pem",
+    "/etc/pki/ca-trust/extracted/pem/tls-ca-bundle.pem",
+    "/etc/ssl/cert.pem",
+];
+
+/// `<dir>/ca-bundle.pem`: the system's roots (the agent's own SSL_CERT_FILE, else the first of
+/// Go's files that exists; none is fine) followed by `ca`.
+fn ca_bundle(dir: &Path, ca: &Path) -> Result<PathBuf, Error> {
+    let io = |what: &'static str, path: &Path| {
+        let path = path.to_path_buf();
+        move |source| Error::Io { what, path, source }
+    };
+    let mut bundle = std::env::var_os("SSL_CERT_FILE")
+        .map(PathBuf::from)
+        .into_iter()
+        .chain(SYSTEM_ROOTS.iter().map(PathBuf::from))
+        .find_map(|p| std::fs::read(p).ok())
+        .unwrap_or_default();
+    if !bundle.is_empty() && !bundle.ends_with(b"\n") {
+        bundle.push(b'\n');
+    }
+    bundle.extend(std::fs::read(ca).map_err(io("cannot read the CA certificate", ca))?);
+    std::fs::create_dir_all(dir).map_err(io("cannot create kopia's directory", dir))?;
+    let path = dir.join("ca-bundle.pem");
+    std::fs::write(&path, bundle).map_err(io("cannot write the CA bundle", &path))?;
+    Ok(path)
 }
 
 /// Where a kopia repository lives.
@@ -194,11 +252,52 @@ pub enum Storage {
         /// Empty, or ending with `/`.
         prefix: String,
     },
+    /// Azure Blob Storage: `azure:<container>:/<prefix>` (restic's form). The account, its key
+    /// (or SAS) and the endpoint come from the environment.
+    Azure {
+        container: String,
+        /// Empty, or ending with `/`.
+        prefix: String,
+    },
+    /// Google Cloud Storage: `gs:<bucket>:/<prefix>` (restic's form).
+    Gcs {
+        bucket: String,
+        /// Empty, or ending with `/`.
+        prefix: String,
+    },
+}
+
+/// A prefix as Velero's layout needs it: no leading `/`, a trailing `/` unless empty (kopia joins
+/// the prefix to its blob names as given).
+fn dir_prefix(p: &str) -> String {
+    let p = p.trim_matches('/');
+    if p.is_empty() {
+        String::new()
+    } else {
+        format!("{p}/")
+    }
+}
+
+/// `<bucket>:/<prefix>` of restic's `azure:` and `gs:` forms.
+fn bucket_and_prefix(rest: &str, form: &str) -> Result<(String, String), Error> {
+    let (bucket, prefix) = rest.split_once(':').unwrap_or((rest, ""));
+    if bucket.is_empty() || bucket.contains('/') {
+        return Err(Error::Invalid(format!("kopia repository: expected {form}")));
+    }
+    Ok((bucket.to_string(), dir_prefix(prefix)))
 }
 
 impl Storage {
     /// From a repository string: `s3:<scheme>://<host>/<bucket>[/<prefix>]` or a local path.
     pub fn parse(repository: &str) -> Result<Storage, Error> {
+        if let Some(rest) = repository.strip_prefix("azure:") {
+            let (container, prefix) = bucket_and_prefix(rest, "azure:<container>:/<prefix>")?;
+            return Ok(Storage::Azure { container, prefix });
+        }
+        if let Some(rest) = repository.strip_prefix("gs:") {
+            let (bucket, prefix) = bucket_and_prefix(rest, "gs:<bucket>:/<prefix>")?;
+            return Ok(Storage::Gcs { bucket, prefix });
+        }
         let Some(rest) = repository.strip_prefix("s3:") else {
             if repository.is_empty() {
                 return Err(Error::Invalid("the kopia repository is empty".into()));
@@ -233,12 +332,8 @@ impl Storage {
                 "kopia S3 repository: credentials do not go in the URL (use AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY)".into(),
             ));
         }
-        // Velero's prefixes end in '/': kopia joins the prefix to its blob names as given.
-        let prefix = if prefix.is_empty() {
-            prefix
-        } else {
-            format!("{prefix}/")
-        };
+        // Velero's prefixes end in '/'.
+        let prefix = dir_prefix(&prefix);
         Ok(Storage::S3 {
             endpoint,
             tls,
@@ -305,6 +400,37 @@ fn shared_credentials(access: &RepositoryAccess) -> Result<Vec<(OsString, OsStri
     Ok(found)
 }
 
+/// kopia's Azure variables from restic's (`AZURE_ACCOUNT_NAME`, `AZURE_ACCOUNT_KEY` or
+/// `AZURE_ACCOUNT_SAS`, `AZURE_ENDPOINT_SUFFIX`), which the agent sets for an Azure location and
+/// a user of the one-shot CLI sets for either uploader; kopia's own names are taken as they are.
+/// kopia addresses `https://<account>.<domain>/`, restic `https://<account>.blob.<suffix>/`.
+fn azure_credentials(access: &RepositoryAccess) -> Result<Vec<(OsString, OsString)>, Error> {
+    let either =
+        |kopia: &str, restic: &str| env_value(access, kopia).or_else(|| env_value(access, restic));
+    let account = either("AZURE_STORAGE_ACCOUNT", "AZURE_ACCOUNT_NAME").ok_or_else(|| {
+        Error::Invalid("kopia Azure repository: no storage account (AZURE_ACCOUNT_NAME)".into())
+    })?;
+    let mut env = vec![("AZURE_STORAGE_ACCOUNT".into(), account.into())];
+    match (
+        either("AZURE_STORAGE_KEY", "AZURE_ACCOUNT_KEY"),
+        either("AZURE_STORAGE_SAS_TOKEN", "AZURE_ACCOUNT_SAS"),
+    ) {
+        (Some(key), _) => env.push(("AZURE_STORAGE_KEY".into(), key.into())),
+        (None, Some(sas)) => env.push(("AZURE_STORAGE_SAS_TOKEN".into(), sas.into())),
+        (None, None) => {
+            return Err(Error::Invalid(
+                "kopia Azure repository: no storage account key or SAS (AZURE_ACCOUNT_KEY or AZURE_ACCOUNT_SAS)".into(),
+            ));
+        }
+    }
+    let domain = env_value(access, "AZURE_STORAGE_DOMAIN")
+        .or_else(|| env_value(access, "AZURE_ENDPOINT_SUFFIX").map(|s| format!("blob.{s}")));
+    if let Some(domain) = domain {
+        env.push(("AZURE_STORAGE_DOMAIN".into(), domain.into()));
+    }
+    Ok(env)
+}
+
 fn repository_command(access: &RepositoryAccess, verb: &str) -> Result<KopiaInvocation, Error> {
     let mut cache = OsString::from("--cache-directory=");
     cache.push(kopia_dir(access).join("cache"));
@@ -342,6 +468,23 @@ fn repository_command(access: &RepositoryAccess, verb: &str) -> Result<KopiaInvo
                 let mut a = OsString::from("--root-ca-pem-path=");
                 a.push(ca);
                 inv = inv.arg(a);
+            }
+        }
+        Storage::Azure { container, prefix } => {
+            inv.env.extend(azure_credentials(access)?);
+            inv = inv
+                .arg("azure")
+                .arg(format!("--container={container}"))
+                .arg(format!("--prefix={prefix}"));
+        }
+        Storage::Gcs { bucket, prefix } => {
+            inv = inv
+                .arg("gcs")
+                .arg(format!("--bucket={bucket}"))
+                .arg(format!("--prefix={prefix}"));
+            // A path, not a secret; without one kopia finds Google's default credentials.
+            if let Some(file) = env_value(access, "GOOGLE_APPLICATION_CREDENTIALS") {
+                inv = inv.arg(format!("--credentials-file={file}"));
             }
         }
     }
@@ -1226,6 +1369,106 @@ mod tests {
             ),
             ["snapshot", "restore", "--progress", "k123", "/target"]
         );
+    }
+
+    /// Azure and GCS in restic's forms: the account, key and domain go to kopia's variables
+    /// (never argv), the CA into a bundle kopia's Go TLS reads through SSL_CERT_FILE.
+    #[test]
+    fn azure_and_gcs_repositories_connect_with_keys_in_the_environment() {
+        assert_eq!(
+            Storage::parse("azure:velero:/cluster/kopia/ns/").unwrap(),
+            Storage::Azure {
+                container: "velero".into(),
+                prefix: "cluster/kopia/ns/".into()
+            }
+        );
+        assert_eq!(
+            Storage::parse("gs:bkt:/").unwrap(),
+            Storage::Gcs {
+                bucket: "bkt".into(),
+                prefix: String::new()
+            }
+        );
+        for bad in ["azure:", "azure::/p", "gs:a/b:/p"] {
+            assert!(Storage::parse(bad).is_err(), "{bad}");
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let ca = dir.path().join("ca.pem");
+        std::fs::write(
+            &ca,
+            "-----BEGIN CERTIFICATE-----\nTESTCA\n-----END CERTIFICATE-----\n",
+        )
+        .unwrap();
+        let mut a = access(dir.path(), "pw");
+        a.repository = "azure:velero:/kopia/ns/".into();
+        a.ca_cert = Some(ca.clone());
+        a.extra_env = vec![
+            ("AZURE_ACCOUNT_NAME".into(), "acct".into()),
+            ("AZURE_ACCOUNT_KEY".into(), "azs3cretkey==".into()),
+            ("AZURE_ENDPOINT_SUFFIX".into(), "localhost:10443".into()),
+        ];
+        let inv = connect(&a).unwrap();
+        let argv = args(&inv);
+        assert_eq!(
+            argv[..5],
+            [
+                "repository",
+                "connect",
+                "azure",
+                "--container=velero",
+                "--prefix=kopia/ns/"
+            ]
+        );
+        assert!(!argv.iter().any(|a| a.contains("s3cret")), "{argv:?}");
+        assert_eq!(env_of(&inv, "AZURE_STORAGE_ACCOUNT").unwrap(), "acct");
+        assert_eq!(env_of(&inv, "AZURE_STORAGE_KEY").unwrap(), "azs3cretkey==");
+        assert_eq!(
+            env_of(&inv, "AZURE_STORAGE_DOMAIN").unwrap(),
+            "blob.localhost:10443"
+        );
+        assert!(!format!("{inv:?}").contains("s3cret"));
+        let bundle = PathBuf::from(env_of(&inv, "SSL_CERT_FILE").unwrap());
+        let text = std::fs::read_to_string(&bundle).unwrap();
+        assert!(
+            text.ends_with("TESTCA\n-----END CERTIFICATE-----\n"),
+            "{text}"
+        );
+        // Every command carries it, not only connect.
+        assert!(
+            snapshot_delete(&a, "k0123456789abcdef0123456789abcdef").is_ok_and(|i| env_of(
+                &i,
+                "SSL_CERT_FILE"
+            )
+            .is_some())
+        );
+        // No key and no SAS: refused before kopia runs.
+        a.extra_env.retain(|(k, _)| k != "AZURE_ACCOUNT_KEY");
+        assert!(
+            connect(&a)
+                .unwrap_err()
+                .to_string()
+                .contains("no storage account key")
+        );
+
+        let mut g = access(dir.path(), "pw");
+        g.repository = "gs:bkt:/p/kopia/ns/".into();
+        g.extra_env = vec![(
+            "GOOGLE_APPLICATION_CREDENTIALS".into(),
+            "/credentials/cloud".into(),
+        )];
+        let inv = connect(&g).unwrap();
+        assert_eq!(
+            args(&inv)[..6],
+            [
+                "repository",
+                "connect",
+                "gcs",
+                "--bucket=bkt",
+                "--prefix=p/kopia/ns/",
+                "--credentials-file=/credentials/cloud"
+            ]
+        );
+        assert!(env_of(&inv, "SSL_CERT_FILE").is_none(), "no CA, no bundle");
     }
 
     #[test]

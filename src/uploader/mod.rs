@@ -282,6 +282,8 @@ pub struct RepositoryAccess {
     pub ca_cert: Option<PathBuf>,
     /// Accept any TLS certificate (restic `--insecure-tls`).
     pub insecure_tls: bool,
+    /// restic's extended options (`-o KEY=VALUE`), given by the operator.
+    pub restic_options: Vec<String>,
 }
 
 /// A snapshot ID from outside (an API object) as error messages show it: cut to a few dozen

@@ -152,6 +152,10 @@ fn base(access: &RepositoryAccess, update_interval: Option<Duration>) -> ResticI
     if access.insecure_tls {
         args.push("--insecure-tls".into());
     }
+    for o in &access.restic_options {
+        args.push("-o".into());
+        args.push(o.into());
+    }
     ResticInvocation { args, env }
 }
 
@@ -761,6 +765,25 @@ mod tests {
             repository: "/r".into(),
             password_file: "/p".into(),
             ..Default::default()
+        }
+    }
+
+    #[test]
+    fn operator_options_go_to_every_command_as_dash_o() {
+        let mut a = access();
+        a.restic_options = vec!["azure.access-tier=Hot".into(), "s3.region=x".into()];
+        for inv in [
+            init(&a),
+            unlock(&a),
+            cat_config(&a),
+            forget(&a, "fc540c27").unwrap(),
+        ] {
+            let argv: Vec<&str> = inv.args.iter().map(|x| x.to_str().unwrap()).collect();
+            let at = argv.iter().position(|x| *x == "-o").unwrap();
+            assert_eq!(
+                argv[at..at + 4],
+                ["-o", "azure.access-tier=Hot", "-o", "s3.region=x"]
+            );
         }
     }
 
