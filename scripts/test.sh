@@ -80,11 +80,17 @@ tools_log=target/test-tools/real-cluster-tools.log
 setsid bash -c 'scripts/install-control-plane.sh && scripts/install-node.sh >/dev/null && scripts/install-helm.sh && scripts/install-velero.sh 1.18.3 1.16.2' \
   </dev/null >"$tools_log" 2>&1 &
 tools_pid=$!
+# The Azure and GCS emulators (Azurite from npm, fake-gcs-server), restic with every backend
+# and Velero's Azure and GCP plugins (Go builds, a few minutes the first time): beside them.
+cloud_log=target/test-tools/cloud-tools.log
+setsid bash -c 'scripts/install-cloud-emulators.sh && scripts/install-restic.sh && scripts/install-velero-cloud-plugins.sh' \
+  </dev/null >"$cloud_log" 2>&1 &
+cloud_pid=$!
 # The image's Debian root filesystem (mmdebstrap: mostly downloading), beside them.
 image_log=target/test-tools/image-base.log
 setsid scripts/build-image.sh --base-only target/test-tools/image-base.tar </dev/null >"$image_log" 2>&1 &
 image_pid=$!
-background_pids=("$tools_pid" "$image_pid")
+background_pids=("$tools_pid" "$image_pid" "$cloud_pid")
 
 # Lints (CI runs them through this script): while the tools build in the background.
 section "lints: cargo clippy --workspace --all-targets -- -D warnings"
@@ -149,6 +155,20 @@ section "pass 2: restic suites with $("$restic_new" version) ($restic_new)"
 bounded 1200 env PODVOLUME_TEST_RESTIC="$restic_new" PODVOLUME_TEST_RESTIC_VERSION=0.18.0 cargo test --test restic_engine --test cli --test s3_cli -- --skip upgrade_014_to_018 \
   --skip without_the_ca --skip kopia
 run env PODVOLUME_TEST_RESTIC="$restic_new" PODVOLUME_TEST_RESTIC_VERSION=0.18.0 cargo test --test restic_engine --test cli --test s3_cli -- --show-output restic_under_test
+
+# Azure Blob and Google Cloud Storage through the one-shot CLI: kopia and restic (built with every
+# backend) against Azurite and fake-gcs-server over TLS with a private CA.
+section "cloud storage: Azure and GCS with kopia and restic (tests/cloud_cli.rs)"
+if ! wait "$cloud_pid"; then
+  echo "test.sh: installing the cloud emulators, restic or Velero's cloud plugins failed:" >&2
+  tail -n 40 "$cloud_log" >&2
+  exit 1
+fi
+read -r azurite_blob fake_gcs_server < <(scripts/install-cloud-emulators.sh)
+read -r cloud_restic_version cloud_restic < <(scripts/install-restic.sh)
+echo "azurite $("$azurite_blob" --version), fake-gcs-server $(cat "$(dirname "$fake_gcs_server")/version"), restic $cloud_restic_version ($cloud_restic)"
+bounded 900 env PODVOLUME_AZURITE_BLOB="$azurite_blob" PODVOLUME_FAKE_GCS_SERVER="$fake_gcs_server" \
+  PODVOLUME_CLOUD_RESTIC="$cloud_restic" cargo test --test cloud_cli
 
 # Pass 3: the Helm chart on the real kube-apiserver (scripts/test-helm.sh), then the real
 # kube-apiserver and Velero server (scripts/test-real-cluster.sh): the whole

@@ -220,6 +220,12 @@ impl Drop for S3Server {
 /// A CA and a server certificate for 127.0.0.1 signed by it, in `dir` (`ca.pem`, `server.pem`,
 /// `server.key`). Returns the CA's path.
 fn make_certificates(dir: &Path) -> PathBuf {
+    make_certificates_for(dir, "IP:127.0.0.1,DNS:localhost")
+}
+
+/// A CA (`ca.pem`, `ca.key`) and a server certificate it signs (`server.pem`, `server.key`) for
+/// the subject alternative names `sans` (openssl's `IP:...,DNS:...`), in `dir`; the CA's path.
+pub fn make_certificates_for(dir: &Path, sans: &str) -> PathBuf {
     let openssl = |args: &[&str]| {
         let out = Command::new("openssl")
             .args(args)
@@ -265,7 +271,7 @@ fn make_certificates(dir: &Path) -> PathBuf {
     ]);
     std::fs::write(
         dir.join("server.ext"),
-        "subjectAltName=IP:127.0.0.1,DNS:localhost\nbasicConstraints=CA:FALSE\nextendedKeyUsage=serverAuth\n",
+        format!("subjectAltName={sans}\nbasicConstraints=CA:FALSE\nextendedKeyUsage=serverAuth\n"),
     )
     .unwrap();
     openssl(&[
