@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds the node agent's container image, two ways, to the same content (Debian bookworm with
-# ca-certificates, restic and tini from Debian; kopia built from the Go module proxy at the
-# version the agent is tested with; the agent at /usr/local/bin; entrypoint `tini --
+# ca-certificates and tini from Debian; kopia and restic built from the Go module proxy at the
+# versions the agent is tested with; the agent at /usr/local/bin; entrypoint `tini --
 # podvolume-agent`, command `run`; root, as the DaemonSet needs: see daemonset/Dockerfile).
 #
 #   scripts/build-image.sh IMAGE [--push]     with a container engine (docker, podman or buildah
@@ -28,7 +28,7 @@ set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 KOPIA_VERSION=${KOPIA_VERSION:-0.22.3}
 SUITE=bookworm
-PACKAGES=ca-certificates,restic,tini
+PACKAGES=ca-certificates,tini
 say() { echo "build-image.sh: $*" >&2; }
 die() { say "$*"; exit 1; }
 
@@ -84,6 +84,8 @@ oci_build() {
   [ -x "$agent" ] || die "no agent binary at $agent"
   local kopia
   read -r _ kopia < <("$root/scripts/install-kopia.sh" "$KOPIA_VERSION") || die "scripts/install-kopia.sh $KOPIA_VERSION failed"
+  local restic restic_version
+  read -r restic_version restic < <("$root/scripts/install-restic.sh") || die "scripts/install-restic.sh failed"
   local version; version=$(sed -n 's/^version = "\(.*\)"/\1/p' "$root/Cargo.toml" | head -n1)
 
   rm -rf "$oci"
@@ -95,6 +97,7 @@ oci_build() {
   install -m 0755 "$agent" "$work/bundle/rootfs/usr/local/bin/podvolume-agent"
   strip "$work/bundle/rootfs/usr/local/bin/podvolume-agent" 2>/dev/null || true
   install -m 0755 "$kopia" "$work/bundle/rootfs/usr/local/bin/kopia"
+  install -m 0755 "$restic" "$work/bundle/rootfs/usr/local/bin/restic"
   umoci repack --image "$oci:$tag" "$work/bundle"
   umoci config --image "$oci:$tag" \
     --config.entrypoint /usr/bin/tini --config.entrypoint -- --config.entrypoint /usr/local/bin/podvolume-agent \
@@ -102,9 +105,10 @@ oci_build() {
     --config.env PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
     --config.label "org.opencontainers.image.title=podvolume-agent" \
     --config.label "org.opencontainers.image.version=$version" \
-    --config.label "io.podvolume-agent.kopia-version=$KOPIA_VERSION"
+    --config.label "io.podvolume-agent.kopia-version=$KOPIA_VERSION" \
+    --config.label "io.podvolume-agent.restic-version=$restic_version"
   umoci gc --layout "$oci"
-  say "OCI image $oci:$tag ($(du -sh "$oci" | cut -f1)): podvolume-agent $version, kopia $KOPIA_VERSION, Debian $SUITE $PACKAGES"
+  say "OCI image $oci:$tag ($(du -sh "$oci" | cut -f1)): podvolume-agent $version, kopia $KOPIA_VERSION, restic $restic_version, Debian $SUITE $PACKAGES"
 
   if [ "$check" = 1 ]; then
     umoci unpack --image "$oci:$tag" "$work/check" >/dev/null

@@ -26,7 +26,7 @@ for spec in "microsoft-azure 1.9.2" "gcp 1.14.2"; do
   [ -f "$mod/go.mod" ] && [ -f "$mod/go.sum" ] || { say "$mod/go.mod + go.sum missing"; exit 1; }
   bin=$cache/$name-v$v/velero-plugin-for-$name
   out=$(go version -m "$bin" 2>/dev/null || true)
-  if ! grep -qE "^[[:space:]]+dep[[:space:]]+$module[[:space:]]+v$v([[:space:]]|\$)" <<<"$out"; then
+  if ! grep -qE "^[[:space:]]+(mod|dep)[[:space:]]+$module[[:space:]]+v$v([[:space:]]|\$)" <<<"$out"; then
     say "building velero-plugin-for-$name v$v from the Go module proxy (several minutes on 2 cores, once per machine)"
     start=$(date +%s)
     mkdir -p "$(dirname "$bin")"
