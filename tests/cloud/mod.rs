@@ -160,12 +160,22 @@ impl Azurite {
     /// `program` in a mount namespace of its own where `/etc/hosts` resolves the account's name
     /// to loopback (needs root, as the test command runs).
     pub fn command(&self, program: &Path) -> Command {
-        let mut c = Command::new("unshare");
-        c.args(["--mount", "--propagation", "private", "sh", "-c"])
-            .arg(r#"mount --bind "$0" /etc/hosts && exec "$@""#)
-            .arg(&self.hosts)
-            .arg(program);
+        let w = self.wrapper();
+        let mut c = Command::new(&w[0]);
+        c.args(&w[1..]).arg(program);
         c
+    }
+
+    /// The argv that runs a program (appended with its arguments) in that namespace.
+    pub fn wrapper(&self) -> Vec<std::ffi::OsString> {
+        let mut w: Vec<std::ffi::OsString> =
+            ["unshare", "--mount", "--propagation", "private", "sh", "-c"]
+                .iter()
+                .map(Into::into)
+                .collect();
+        w.push(r#"mount --bind "$0" /etc/hosts && exec "$@""#.into());
+        w.push(self.hosts.clone().into_os_string());
+        w
     }
 
     /// `helper verb container` through the Blob REST API, path-style on 127.0.0.1; the output's

@@ -595,13 +595,36 @@ impl Env {
         extra: &[&str],
         via: KubeconfigVia,
     ) -> Agent {
+        self.start_agent_wrapped(node, extra, via, &[], &[])
+    }
+
+    /// As [`Env::start_agent`], the agent started through `wrapper` (a program and its
+    /// arguments that end by exec'ing the agent's command line, e.g. a namespace of its own:
+    /// the PID stays the agent's) with `envs` added to its environment.
+    pub fn start_agent_wrapped(
+        &self,
+        node: &str,
+        extra: &[&str],
+        via: KubeconfigVia,
+        wrapper: &[std::ffi::OsString],
+        envs: &[(&str, String)],
+    ) -> Agent {
         let port = TcpListener::bind("127.0.0.1:0")
             .unwrap()
             .local_addr()
             .unwrap()
             .port();
         let log = self.tmp.path().join(format!("agent-{node}-{port}.log"));
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_podvolume-agent"));
+        let agent_bin = env!("CARGO_BIN_EXE_podvolume-agent");
+        let mut cmd = match wrapper.split_first() {
+            Some((program, args)) => {
+                let mut c = Command::new(program);
+                c.args(args).arg(agent_bin);
+                c
+            }
+            None => Command::new(agent_bin),
+        };
+        cmd.envs(envs.iter().map(|(k, v)| (*k, v.as_str())));
         cmd.arg("run");
         match via {
             KubeconfigVia::Flag => {

@@ -5,6 +5,9 @@
 //! Faults of the API server (an outage, 409 storms, 500/503 answers) come from a fault-injecting
 //! proxy between the agent and the server (`tests/common/fault_proxy.rs`).
 
+#[path = "../cloud/mod.rs"]
+mod cloud;
+mod cloud_storage;
 mod harness;
 mod kopia;
 mod owner;
