@@ -148,7 +148,7 @@ async fn azure_and_gcs_locations_complete_or_fail_with_the_cause() {
         format!("--storage-domain={AZURE_DOMAIN}:{}", az.port),
     ];
     for loc in ["az-good", "az-wrong-key", "az-no-entry", "az-no-ca"] {
-        let mut c = az.command(&kopia_bin());
+        let mut c = az.command(kopia_bin());
         c.env("AZURE_STORAGE_KEY", &az.key)
             .env("SSL_CERT_FILE", &az_bundle);
         create_repository(c, &env, &az_storage, &format!("{loc}/kopia/{ns}/"), loc);
