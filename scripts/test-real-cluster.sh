@@ -29,6 +29,8 @@
 #    timeout, restart) on a control plane and a real node of its own, the agent running from its
 #    image as the DaemonSet's pod (PODVOLUME_IMAGE: the OCI layout scripts/test.sh built, else
 #    built here): Velero 1.18.3 with kopia, then Velero 1.16.2 with restic.
+# 4. scripts/velero-cloud-smoke.sh: Velero with its own Azure / GCP plugin against Azurite /
+#    fake-gcs-server (azure 1.18.3 kopia, gcp 1.18.3 kopia, gcp 1.16.2 restic).
 #
 # Environment: PODVOLUME_TEST_KOPIA (the kopia the suites run; default: install-kopia.sh 0.22.3),
 # PODVOLUME_TOOLS_CACHE (the tools cache, as the install scripts).
@@ -47,6 +49,11 @@ read -r velero_old_version velero_old_dir < <(scripts/install-velero.sh 1.16.2)
 if [ -z "${PODVOLUME_TEST_KOPIA:-}" ]; then
   read -r v PODVOLUME_TEST_KOPIA < <(scripts/install-kopia.sh 0.22.3)
   export PODVOLUME_TEST_KOPIA PODVOLUME_TEST_KOPIA_VERSION=$v
+fi
+# The Azure and GCS servers of the e2e cloud cases (tests/e2e/cloud_storage.rs).
+if [ -z "${PODVOLUME_AZURITE_BLOB:-}" ] || [ -z "${PODVOLUME_FAKE_GCS_SERVER:-}" ]; then
+  read -r PODVOLUME_AZURITE_BLOB PODVOLUME_FAKE_GCS_SERVER < <(scripts/install-cloud-emulators.sh)
+  export PODVOLUME_AZURITE_BLOB PODVOLUME_FAKE_GCS_SERVER
 fi
 
 cp_dir=$(mktemp -d /tmp/podvolume-cp.XXXXXX)
@@ -146,6 +153,12 @@ section "the real Velero $velero_version server as the agent's client, on a real
 scripts/velero-smoke.sh "$velero_version"
 section "the real Velero $velero_old_version server (restic) as the agent's client, on a real node (scripts/velero-smoke.sh $velero_old_version)"
 scripts/velero-smoke.sh "$velero_old_version"
+# Velero with its own Azure and GCP plugins, against Azurite and fake-gcs-server (Azure with
+# restic cannot run on Azurite: scripts/velero-cloud-smoke.sh says why).
+for run in "azure $velero_version" "gcp $velero_version" "gcp $velero_old_version"; do
+  section "Velero ${run#* } with its ${run%% *} plugin drives the agent against the emulator (scripts/velero-cloud-smoke.sh $run)"
+  scripts/velero-cloud-smoke.sh $run
+done
 
 echo "== real-cluster tests passed in $(($(date +%s) - started)) s =="
 }

@@ -167,8 +167,8 @@ fi
 read -r azurite_blob fake_gcs_server < <(scripts/install-cloud-emulators.sh)
 read -r cloud_restic_version cloud_restic < <(scripts/install-restic.sh)
 echo "azurite $("$azurite_blob" --version), fake-gcs-server $(cat "$(dirname "$fake_gcs_server")/version"), restic $cloud_restic_version ($cloud_restic)"
-bounded 900 env PODVOLUME_AZURITE_BLOB="$azurite_blob" PODVOLUME_FAKE_GCS_SERVER="$fake_gcs_server" \
-  PODVOLUME_CLOUD_RESTIC="$cloud_restic" cargo test --test cloud_cli
+export PODVOLUME_AZURITE_BLOB=$azurite_blob PODVOLUME_FAKE_GCS_SERVER=$fake_gcs_server PODVOLUME_CLOUD_RESTIC=$cloud_restic
+bounded 900 cargo test --test cloud_cli
 
 # Pass 3: the Helm chart on the real kube-apiserver (scripts/test-helm.sh), then the real
 # kube-apiserver and Velero server (scripts/test-real-cluster.sh): the whole
