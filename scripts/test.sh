@@ -169,6 +169,11 @@ read -r cloud_restic_version cloud_restic < <(scripts/install-restic.sh)
 echo "azurite $("$azurite_blob" --version), fake-gcs-server $(cat "$(dirname "$fake_gcs_server")/version"), restic $cloud_restic_version ($cloud_restic)"
 export PODVOLUME_AZURITE_BLOB=$azurite_blob PODVOLUME_FAKE_GCS_SERVER=$fake_gcs_server PODVOLUME_CLOUD_RESTIC=$cloud_restic
 bounded 900 cargo test --test cloud_cli
+for version in "${!kopia_at[@]}"; do
+  [ "$version" = "$kopia_main" ] && continue
+  section "cloud storage with kopia $("${kopia_at[$version]}" --version) (tests/cloud_cli.rs)"
+  bounded 600 env PODVOLUME_TEST_KOPIA="${kopia_at[$version]}" PODVOLUME_TEST_KOPIA_VERSION="$version" cargo test --test cloud_cli
+done
 
 # Pass 3: the Helm chart on the real kube-apiserver (scripts/test-helm.sh), then the real
 # kube-apiserver and Velero server (scripts/test-real-cluster.sh): the whole

@@ -20,6 +20,11 @@ use std::process::{Command, Output, Stdio};
 use cloud::{Azurite, FakeGcs};
 use common::*;
 
+#[test]
+fn kopia_under_test_is_the_requested_version() {
+    assert_requested_kopia_version();
+}
+
 fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).to_string()
 }
