@@ -15,6 +15,21 @@
 # The volume of case 4/5 (SLOW) gets a new sparse file each time, so that restic, given the last
 # snapshot as parent, cannot skip it. kopia reads 16 GiB of zeros in 10-25 s here, restic 12 GiB in
 # 12-25 s: long enough to be seen running and replaced, short enough to run twice.
+
+# The uploader processes on the node that are not Velero's server's own (Velero 1.16's server
+# runs restic itself, e.g. to check a repository, in its process group), each as
+# "<pid> (<args>)"; empty when none.
+node_uploaders() {
+  local p
+  for p in $(pgrep -x "$UPLOADER" || true); do
+    [ "$(ps -o pgid= -p "$p" 2>/dev/null | tr -d ' ')" = "${velero_pg:-}" ] && continue
+    printf '%s (%s) ' "$p" "$(ps -o args= -p "$p" 2>/dev/null | cut -c1-120)"
+  done
+}
+no_node_uploader() { [ -z "$(node_uploaders)" ]; }
+
+# (case 9 follows)
+
 case9_agent_pod_replaced() {
   local how=$1 b="b-pod-$1" size old_pod old_pids new_pod phase msg t0 left d
   d=$(voldir "$SLOW" slow data)
@@ -77,7 +92,8 @@ case9_agent_pod_replaced() {
     [ "$(pvb_of "$b" 'metadata.annotations.podvolume-agent\.io/attempts')" = 2 ]
   no_uploader() { [ "$(uploaders)" -eq 0 ]; }
   settle 30 no_uploader || true
-  left=$(pgrep -x "$UPLOADER" | tr '\n' ' ' || true)
+  settle 30 no_node_uploader || true
+  left=$(node_uploaders)
   check "$how: no $UPLOADER process left on the node${left:+ (left: $left)}" [ -z "$left" ]
   check "$how: the agent's finalizer is gone" eval '! pvb_of "$b" metadata.finalizers | grep -q pod-volume-finalizer'
   if [ "$UPLOADER" = restic ]; then
@@ -121,7 +137,8 @@ case10_backup_deleted_mid_transfer() {
   grep -F "\"name\":\"$pvb\"" "$W/agent.log" | grep -F "stopping the transfer" | cut -c1-200 | sed 's/^/  | /' || true
   no_uploader() { [ "$(uploaders)" -eq 0 ]; }
   settle 30 no_uploader || true
-  left=$(pgrep -x "$UPLOADER" | tr '\n' ' ' || true)
+  settle 30 no_node_uploader || true
+  left=$(node_uploaders)
   check "no $UPLOADER process left on the node${left:+ (left: $left)}" [ -z "$left" ]
   if [ "$UPLOADER" = restic ]; then
     local locks
@@ -168,7 +185,8 @@ case11_restore_deleted_mid_transfer() {
   settle "$TIMEOUT" pvr_ended || true
   pause_uploaders CONT
   if k -n "$VNS" get podvolumerestore "$pvr" >/dev/null 2>&1; then
-    phase=$(k -n "$VNS" get podvolumerestore "$pvr" -o jsonpath='{.status.phase}')
+    # Collected between the two reads: gone.
+    phase=$(k -n "$VNS" get podvolumerestore "$pvr" -o jsonpath='{.status.phase}' 2>/dev/null) || phase=gone
     echo "  PodVolumeRestore $pvr: $phase $((SECONDS - t0)) s after its Restore was deleted: $(k -n "$VNS" get podvolumerestore "$pvr" -o jsonpath='{.status.message}')"
   else
     phase=gone
@@ -182,7 +200,8 @@ case11_restore_deleted_mid_transfer() {
     eval 'grep -F "\"name\":\"$pvr\"" "$W/agent.log" | grep -F "stopping the transfer" | grep -qE "\"reason\":\"(Deleted|OwnerDone)\""'
   no_uploader() { [ "$(uploaders)" -eq 0 ]; }
   settle 30 no_uploader || true
-  left=$(pgrep -x "$UPLOADER" | tr '\n' ' ' || true)
+  settle 30 no_node_uploader || true
+  left=$(node_uploaders)
   check "no $UPLOADER process left on the node${left:+ (left: $left)}" [ -z "$left" ]
   step_end
 }
