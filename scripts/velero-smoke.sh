@@ -660,12 +660,13 @@ uploader_pids() { pgrep -P "$agent_pid" -x "$UPLOADER" 2>/dev/null || true; }
 uploaders() { uploader_pids | grep -c . || true; }
 pvb_moving() { [ "$(pvb_of "$1" status.phase)" = InProgress ] && [ "$(uploaders)" -ge 1 ]; }
 # pause_uploaders STOP|CONT: signals every uploader's process group (restic only, see above).
+# `pause_uploaders STOP any` pauses kopia too (case 11).
 pause_uploaders() {
-  [ "$UPLOADER" = restic ] || return 0
+  [ "$UPLOADER" = restic ] || [ "${2:-}" = any ] || [ -n "${paused_groups:-}" ] || return 0
   local pid
   [ "$1" = STOP ] && paused_groups=$(uploader_pids)
   for pid in $paused_groups; do kill "-$1" -- "-$pid" 2>/dev/null || true; done
-  echo "  SIG$1 to restic's process group(s): ${paused_groups:-none found}" | tr '\n' ' '
+  echo "  SIG$1 to $UPLOADER's process group(s): ${paused_groups:-none found}" | tr '\n' ' '
   echo
   [ "$1" = STOP ] || paused_groups=
 }

@@ -801,8 +801,10 @@ impl KopiaParser {
             Some(rest) => rest.trim_start(),
             None => line.as_str(),
         };
-        // Older kopia prefixed error log lines with their level.
+        // Older kopia prefixed error log lines with their level. Azure's SDK errors span lines,
+        // one of which is `ERROR CODE: <code>`: part of the error above, not a level.
         let (level_error, body) = match body.strip_prefix("ERROR") {
+            Some(rest) if rest.starts_with(" CODE:") => (false, body),
             Some(rest) if rest.is_empty() || rest.starts_with([' ', ':', '\t']) => {
                 (true, rest.trim_start_matches(':').trim_start())
             }
@@ -1884,6 +1886,11 @@ mod tests {
         assert_eq!(
             p.parse(b"ERRORS are fine"),
             UploaderEvent::Text("ERRORS are fine".into())
+        );
+        // A line of an Azure SDK error block, not a log level.
+        assert_eq!(
+            p.parse(b"ERROR CODE: AuthorizationFailure"),
+            UploaderEvent::Text("ERROR CODE: AuthorizationFailure".into())
         );
     }
 

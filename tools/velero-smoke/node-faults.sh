@@ -170,10 +170,15 @@ case11_restore_deleted_mid_transfer() {
     --namespace-mappings "$SLOW:$target" || rc=$?
   check "velero restore create $r returned 0" [ "$rc" -eq 0 ]
   pvr_of() { k -n "$VNS" get podvolumerestores -l "velero.io/restore-name=$r" -o jsonpath="{.items[0].$1}" 2>/dev/null; }
-  pvr_moving() { [ "$(pvr_of status.phase)" = InProgress ] && [ "$(uploaders)" -ge 1 ]; }
-  wait_until "$TIMEOUT" "the PodVolumeRestore of $r InProgress with $UPLOADER running" pvr_moving
+  # Paused (SIGSTOP, kopia too) the moment it is seen running, so that the restore is still
+  # mid-transfer when the deletion reaches the agent, however fast the machine restores.
+  pvr_moving_paused() {
+    [ "$(pvr_of status.phase)" = InProgress ] && [ "$(uploaders)" -ge 1 ] || return 1
+    pause_uploaders STOP any
+    [ -n "$paused_groups" ]
+  }
+  wait_until "$TIMEOUT" "the PodVolumeRestore of $r InProgress with $UPLOADER running" pvr_moving_paused
   pvr=$(pvr_of metadata.name)
-  pause_uploaders STOP
   t0=$SECONDS
   k -n "$VNS" delete restore "$r" --wait=false >/dev/null
   pvr_ended() {
