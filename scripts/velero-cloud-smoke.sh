@@ -198,32 +198,13 @@ if [ "$PROVIDER" = azure ]; then
 else
   k -n "$VNS" set env daemonset/node-agent STORAGE_EMULATOR_HOST="$emulator_host" GOOGLE_ACCESS_TOKEN=emulator-needs-none >/dev/null
 fi
-ds_pod_ready() {
-  [ "$(k -n "$VNS" get pods -l name=node-agent --field-selector "spec.nodeName=$NODE" \
-    -o jsonpath='{range .items[*]}{.status.conditions[?(@.type=="Ready")].status}{"\n"}{end}' 2>/dev/null)" = True ]
-}
 wait_until 180 "the Ready pod of DaemonSet node-agent on $NODE" ds_pod_ready
 ds_pod=$(k -n "$VNS" get pods -l name=node-agent --field-selector "spec.nodeName=$NODE" -o jsonpath='{.items[0].metadata.name}')
 ds_uid=$(k -n "$VNS" get pod "$ds_pod" -o jsonpath='{.metadata.uid}')
 save_agent_log() { cat /var/log/pods/"${VNS}_${ds_pod}_${ds_uid}"/node-agent/*.log >"$W/agent.log" 2>/dev/null || true; }
 agent_log_saver=save_agent_log
 k -n "$VNS" scale deployment velero --replicas=0 >/dev/null
-token=$(k -n "$VNS" create token velero --duration=6h) || die "TokenRequest for ServiceAccount velero failed"
-(umask 077; cat >"$W/velero-sa.kubeconfig" <<EOF
-apiVersion: v1
-kind: Config
-clusters:
-- name: smoke
-  cluster: {server: "$apiserver", certificate-authority: "$W/cp/pki/ca.crt"}
-users:
-- name: velero
-  user: {token: "$token"}
-contexts:
-- name: velero
-  context: {cluster: smoke, user: velero, namespace: $VNS}
-current-context: velero
-EOF
-)
+token_kubeconfig velero "$W/velero-sa.kubeconfig"
 echo "  agent pod $ds_pod Ready on $NODE ($([ "$PROVIDER" = azure ] && echo "hostAliases $ACCOUNT.$DOMAIN -> $node_ip" || echo "STORAGE_EMULATOR_HOST=$emulator_host"))"
 step_end
 

@@ -269,10 +269,6 @@ k apply -k "$root/daemonset/" -l app.kubernetes.io/name=podvolume-agent >"$W/dae
 sed 's/^/  /' "$W/daemonset-apply.log"
 # The DaemonSet's pod, made by the DaemonSet controller, bound by kube-scheduler, run by the
 # kubelet from the agent's image: Ready through its own readiness probe.
-ds_pod_ready() {
-  [ "$(k -n "$VNS" get pods -l name=node-agent --field-selector "spec.nodeName=$NODE" \
-    -o jsonpath='{range .items[*]}{.status.conditions[?(@.type=="Ready")].status}{"\n"}{end}' 2>/dev/null)" = True ]
-}
 wait_until 180 "the Ready pod of DaemonSet node-agent on $NODE" ds_pod_ready
 ds_pod=$(k -n "$VNS" get pods -l name=node-agent --field-selector "spec.nodeName=$NODE" -o jsonpath='{.items[0].metadata.name}')
 ds_role=$(k -n "$VNS" get pod "$ds_pod" -o jsonpath='{.metadata.labels.role}')
@@ -283,25 +279,6 @@ check "the DaemonSet's pod carries role=node-agent (what Velero 1.16+ looks for 
 # Deployment stays, with no pod (Velero reads its image from it for the restore helper).
 k -n "$VNS" scale deployment velero --replicas=0 >/dev/null
 # TokenRequest kubeconfigs: the server runs as ServiceAccount velero, the agent as node-agent.
-token_kubeconfig() {
-  local sa=$1 out=$2 token
-  token=$(k -n "$VNS" create token "$sa" --duration=6h) || die "TokenRequest for ServiceAccount $VNS/$sa failed"
-  (umask 077; cat >"$out" <<EOF
-apiVersion: v1
-kind: Config
-clusters:
-- name: smoke
-  cluster: {server: "$apiserver", certificate-authority: "$W/cp/pki/ca.crt"}
-users:
-- name: $sa
-  user: {token: "$token"}
-contexts:
-- name: $sa
-  context: {cluster: smoke, user: $sa, namespace: $VNS}
-current-context: $sa
-EOF
-  )
-}
 token_kubeconfig velero "$W/velero-sa.kubeconfig"
 token_kubeconfig node-agent "$W/node-agent-sa.kubeconfig"
 sa_can() { "$kubectl" --kubeconfig "$W/node-agent-sa.kubeconfig" auth can-i "$@" >/dev/null 2>&1; }

@@ -103,7 +103,11 @@ impl Azurite {
                 .unwrap()
                 .read_exact(&mut b)
                 .unwrap();
-            base64(&b)
+            serde_json::to_value(k8s_openapi::ByteString(b.to_vec()))
+                .unwrap()
+                .as_str()
+                .unwrap()
+                .to_string()
         };
         let port = free_port();
         let log_path = dir.path().join("azurite.log");
@@ -370,25 +374,4 @@ pub fn service_account_json(dir: &Path) -> String {
         "token_uri": "https://oauth2.googleapis.com/token",
     })
     .to_string()
-}
-
-fn base64(data: &[u8]) -> String {
-    const T: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-    let mut out = String::new();
-    for chunk in data.chunks(3) {
-        let b = [
-            chunk[0],
-            *chunk.get(1).unwrap_or(&0),
-            *chunk.get(2).unwrap_or(&0),
-        ];
-        let n = (b[0] as u32) << 16 | (b[1] as u32) << 8 | b[2] as u32;
-        for i in 0..4 {
-            if i <= chunk.len() {
-                out.push(T[(n >> (18 - 6 * i)) as usize & 63] as char);
-            } else {
-                out.push('=');
-            }
-        }
-    }
-    out
 }

@@ -24,14 +24,6 @@ use crate::harness::*;
 const LONG: Duration = Duration::from_secs(180);
 const KEY_VAR: &str = "AZURE_STORAGE_ACCOUNT_ACCESS_KEY";
 
-fn b64(data: &[u8]) -> String {
-    serde_json::to_value(k8s_openapi::ByteString(data.to_vec()))
-        .unwrap()
-        .as_str()
-        .unwrap()
-        .to_string()
-}
-
 async fn secret(env: &Env, name: &str, value: &str) {
     let api: Api<Secret> = Api::namespaced(env.client.clone(), &env.ns);
     let s: Secret = serde_json::from_value(json!({

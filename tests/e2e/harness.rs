@@ -1223,3 +1223,12 @@ pub async fn create_backup(client: &Client, ns: &str, name: &str) {
         );
     }
 }
+
+/// `data` in the API's base64 (Secret data, `objectStorage.caCert`).
+pub fn b64(data: &[u8]) -> String {
+    serde_json::to_value(k8s_openapi::ByteString(data.to_vec()))
+        .unwrap()
+        .as_str()
+        .unwrap()
+        .to_string()
+}

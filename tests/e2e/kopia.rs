@@ -26,14 +26,6 @@ const PREFIX: &str = "cluster-a";
 /// The agent's default: it never creates a repository.
 const VELERO_DEFAULT: &str = "--init-missing-repository=false";
 
-fn b64(data: &[u8]) -> String {
-    serde_json::to_value(k8s_openapi::ByteString(data.to_vec()))
-        .unwrap()
-        .as_str()
-        .unwrap()
-        .to_string()
-}
-
 /// An S3 server with a location on it as `velero install` writes one (credentials Secret, CA
 /// inline), and kopia run as Velero's server runs it against that location.
 struct VeleroKopia {

@@ -18,14 +18,6 @@ const LONG: Duration = Duration::from_secs(180);
 /// The default of `run`: no repository is ever created by the agent.
 const VELERO_DEFAULT: &str = "--init-missing-repository=false";
 
-fn b64(data: &[u8]) -> String {
-    serde_json::to_value(k8s_openapi::ByteString(data.to_vec()))
-        .unwrap()
-        .as_str()
-        .unwrap()
-        .to_string()
-}
-
 async fn create_secret(env: &Env, name: &str, key: &str, value: &[u8]) {
     let secrets: Api<Secret> = Api::namespaced(env.client.clone(), &env.ns);
     let s: Secret = serde_json::from_value(json!({

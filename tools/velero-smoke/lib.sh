@@ -1,7 +1,7 @@
-# Shared by scripts/velero-smoke.sh and the case files beside this one (sourced, never run): the
-# report (PASS/FAIL, timed steps), the process groups every long-running process gets and the
-# cleanup that stops them, and the polling helpers. Uses the caller's globals W (work directory),
-# root, tools and TIMEOUT.
+# Shared by scripts/velero-smoke.sh, scripts/velero-cloud-smoke.sh and the case files beside this
+# one (sourced, never run): the report (PASS/FAIL, timed steps), the process groups every
+# long-running process gets and the cleanup that stops them, the polling helpers, and two
+# cluster helpers. Uses the caller's globals W (work directory), root, tools and TIMEOUT.
 t_start=$(date +%s.%N)
 elapsed() { awk -v a="$1" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }'; }
 say() { printf '[%6ss] %s\n' "$(elapsed "$t_start")" "$*"; }
@@ -130,3 +130,30 @@ bounded() {
 }
 free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 port_free() { python3 -c 'import socket,sys; s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(("", int(sys.argv[1])))' "$1" 2>/dev/null; }
+# --- the cluster -----------------------------------------------------------------------------------
+# Uses the caller's k (kubectl as admin), VNS, NODE, apiserver.
+# The DaemonSet's pod on $NODE is Ready (its own readiness probe).
+ds_pod_ready() {
+  [ "$(k -n "$VNS" get pods -l name=node-agent --field-selector "spec.nodeName=$NODE" \
+    -o jsonpath='{range .items[*]}{.status.conditions[?(@.type=="Ready")].status}{"\n"}{end}' 2>/dev/null)" = True ]
+}
+# token_kubeconfig <ServiceAccount> <file>: a kubeconfig with a TokenRequest token of that account.
+token_kubeconfig() {
+  local sa=$1 out=$2 token
+  token=$(k -n "$VNS" create token "$sa" --duration=6h) || die "TokenRequest for ServiceAccount $VNS/$sa failed"
+  (umask 077; cat >"$out" <<EOF
+apiVersion: v1
+kind: Config
+clusters:
+- name: smoke
+  cluster: {server: "$apiserver", certificate-authority: "$W/cp/pki/ca.crt"}
+users:
+- name: $sa
+  user: {token: "$token"}
+contexts:
+- name: $sa
+  context: {cluster: smoke, user: $sa, namespace: $VNS}
+current-context: $sa
+EOF
+  )
+}

@@ -90,8 +90,6 @@ case9_agent_pod_replaced() {
   # Each start is counted in the annotation before the uploader runs: the old pod's was 1.
   check "$how: the new pod started it again (podvolume-agent.io/attempts: 2)" \
     [ "$(pvb_of "$b" 'metadata.annotations.podvolume-agent\.io/attempts')" = 2 ]
-  no_uploader() { [ "$(uploaders)" -eq 0 ]; }
-  settle 30 no_uploader || true
   settle 30 no_node_uploader || true
   left=$(node_uploaders)
   check "$how: no $UPLOADER process left on the node${left:+ (left: $left)}" [ -z "$left" ]
@@ -135,8 +133,6 @@ case10_backup_deleted_mid_transfer() {
   check "the agent stopped the transfer (its log: stopping the transfer, reason Deleted or OwnerDone)" \
     eval 'grep -F "\"name\":\"$pvb\"" "$W/agent.log" | grep -F "stopping the transfer" | grep -qE "\"reason\":\"(Deleted|OwnerDone)\""'
   grep -F "\"name\":\"$pvb\"" "$W/agent.log" | grep -F "stopping the transfer" | cut -c1-200 | sed 's/^/  | /' || true
-  no_uploader() { [ "$(uploaders)" -eq 0 ]; }
-  settle 30 no_uploader || true
   settle 30 no_node_uploader || true
   left=$(node_uploaders)
   check "no $UPLOADER process left on the node${left:+ (left: $left)}" [ -z "$left" ]
@@ -203,8 +199,6 @@ case11_restore_deleted_mid_transfer() {
   grep -F "\"name\":\"$pvr\"" "$W/agent.log" | grep -F "stopping the transfer" | cut -c1-200 | sed 's/^/  | /' || true
   check "the agent stopped the restore (its log: stopping the transfer, reason OwnerDone or Deleted)" \
     eval 'grep -F "\"name\":\"$pvr\"" "$W/agent.log" | grep -F "stopping the transfer" | grep -qE "\"reason\":\"(Deleted|OwnerDone)\""'
-  no_uploader() { [ "$(uploaders)" -eq 0 ]; }
-  settle 30 no_uploader || true
   settle 30 no_node_uploader || true
   left=$(node_uploaders)
   check "no $UPLOADER process left on the node${left:+ (left: $left)}" [ -z "$left" ]
