@@ -90,7 +90,14 @@ cloud_pid=$!
 image_log=target/test-tools/image-base.log
 setsid scripts/build-image.sh --base-only target/test-tools/image-base.tar </dev/null >"$image_log" 2>&1 &
 image_pid=$!
-background_pids=("$tools_pid" "$image_pid" "$cloud_pid")
+# The CSI parts (external-snapshotter, external-provisioner, the tests' driver: Go builds, about
+# 5 minutes cold) once the cloud job is done, so that no more than two Go builds share the cores;
+# needed only after the real node's test.
+csi_log=target/test-tools/csi-tools.log
+setsid bash -c 'while kill -0 "$1" 2>/dev/null; do sleep 2; done; scripts/install-csi.sh' csi "$cloud_pid" \
+  </dev/null >"$csi_log" 2>&1 &
+csi_pid=$!
+background_pids=("$tools_pid" "$image_pid" "$cloud_pid" "$csi_pid")
 
 # Lints (CI runs them through this script): while the tools build in the background.
 section "lints: cargo clippy --workspace --all-targets -- -D warnings"
@@ -191,7 +198,7 @@ if ! wait "$image_pid"; then
   tail -n 40 "$image_log" >&2
   exit 1
 fi
-background_pids=()
+background_pids=("$csi_pid")
 grep -E 'built in|building' "$tools_log" || echo "(control plane, helm and Velero were in the tools cache)"
 # The image recipe without a daemon: the OCI image assembled (the test build of the agent), its
 # entrypoint, restic and kopia run inside it.
@@ -202,6 +209,15 @@ bounded 600 scripts/build-image.sh --oci target/test-tools/image --agent target/
 # with kubectl, then installed with helm), Ready through its probes; a rollout.
 section "the real node (scripts/test-node.sh)"
 bounded 900 scripts/test-node.sh --image target/test-tools/image
+# CSI storage with snapshots on a real node: the parts CSI snapshot data movement stands on.
+section "CSI volumes and snapshots on the real node (scripts/test-csi.sh)"
+if ! wait "$csi_pid"; then
+  echo "test.sh: building the CSI parts (scripts/install-csi.sh) failed:" >&2
+  tail -n 40 "$csi_log" >&2
+  exit 1
+fi
+grep -E 'built in' "$csi_log" || echo "(the CSI parts were in the tools cache)"
+bounded 600 scripts/test-csi.sh
 # The Helm chart: lint, template, RBAC against daemonset/'s, install on a real kube-apiserver.
 section "the Helm chart (scripts/test-helm.sh)"
 bounded 600 scripts/test-helm.sh

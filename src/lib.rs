@@ -10,6 +10,7 @@ pub mod agent;
 pub mod cli;
 pub mod client;
 pub mod crd;
+pub mod datamover;
 pub mod engine;
 pub mod error;
 pub mod facts;
