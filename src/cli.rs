@@ -31,6 +31,9 @@ pub enum Command {
     Run(Box<RunArgs>),
     /// Print the PodVolumeBackup and PodVolumeRestore CRDs (YAML) for clusters without Velero.
     Crds,
+    /// Wait for SIGTERM and exit: the process of the pods that keep an exposed CSI snapshot's
+    /// volume mounted while the node agent moves its data.
+    Hold,
     /// List the operations a node agent knows (running, queued, recently finished).
     Operations(ClientArgs),
     /// Show one operation's progress (ID: the object's UID or `namespace/name`).
@@ -179,6 +182,15 @@ pub struct RunArgs {
     /// Runs of one object interrupted by agent restarts before it is failed.
     #[arg(long, env = "MAX_ATTEMPTS", default_value_t = 3)]
     pub max_attempts: u32,
+    /// How long a DataUpload may take from its claim to its volume mounted on a node (the
+    /// snapshot ready, moved, its claim bound, the hold pod running) before it is failed and
+    /// everything exposed for it removed; Velero's node agent's flag of the same name.
+    #[arg(long, env = "DATA_MOVER_PREPARE_TIMEOUT", default_value = "30m", value_parser = parse_duration)]
+    pub data_mover_prepare_timeout: Duration,
+    /// The image of the pods that hold an exposed snapshot's volume mounted; by default the
+    /// image of the agent's own DaemonSet (`node-agent` in the namespace).
+    #[arg(long, env = "DATA_MOVER_IMAGE")]
+    pub data_mover_image: Option<String>,
     /// Health, metrics and operations API.
     #[arg(long, env = "LISTEN_ADDRESS", default_value = "0.0.0.0:8085")]
     pub listen_address: std::net::SocketAddr,

@@ -27,14 +27,6 @@ pub fn is_built_in(datamover: &str) -> bool {
     datamover.is_empty() || datamover == BUILT_IN_MOVER
 }
 
-/// The kopia source path Velero's data mover files a claim's snapshots under:
-/// `<source namespace>/<claim>` (Velero's `datamover.GetRealSource`), as user `default`, host
-/// `default`. The same path on both sides is what makes snapshots of one claim incremental and
-/// interchangeable with Velero's own node agent.
-pub fn kopia_source_path(source_namespace: &str, source_pvc: &str) -> String {
-    format!("{source_namespace}/{source_pvc}")
-}
-
 /// `spec.csiSnapshot` of a DataUpload.
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
@@ -256,9 +248,6 @@ mod tests {
         assert!(is_built_in(&dd.spec.data_mover));
         assert_eq!(dd.spec.target_volume.pvc, "data");
         assert_eq!(dd.spec.snapshot_size, Some(10));
-        assert_eq!(
-            kopia_source_path(&dd.spec.source_namespace, &dd.spec.target_volume.pvc),
-            "app/data"
-        );
+        assert_eq!(dd.spec.source_namespace, "app");
     }
 }

@@ -39,6 +39,20 @@ async fn main() {
             telemetry::init_logging(LogFormat::Plain, "warn");
             client::cancel(args).await
         }
+        Command::Hold => {
+            // PID 1's child under tini: SIGTERM (or SIGINT) ends it at once.
+            use tokio::signal::unix::{SignalKind, signal};
+            match (
+                signal(SignalKind::terminate()),
+                signal(SignalKind::interrupt()),
+            ) {
+                (Ok(mut term), Ok(mut int)) => {
+                    tokio::select! { _ = term.recv() => {}, _ = int.recv() => {} }
+                    0
+                }
+                _ => 1,
+            }
+        }
         Command::Crds => {
             print!("{}", podvolume_agent::crd::crds_yaml());
             0

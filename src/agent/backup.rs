@@ -158,19 +158,16 @@ async fn run(ctx: Arc<Context>, pvb: PodVolumeBackup, token: CancellationToken) 
             }
             _ => super::outcome_message(&ctx, &outcome, &prepared.location),
         };
-        // kopia saves a snapshot marked incomplete when it is stopped: not a result, yet pinned
-        // in Velero's repository for ever if left. Made by this operation, so removed here.
-        let message = match &outcome.incomplete_snapshot_id {
-            Some(id) => {
-                let what = match ctx.engine.forget_snapshot(uploader, &access, id).await {
-                    Ok(()) => format!("the incomplete snapshot {id} kopia saved was deleted"),
-                    Err(e) => format!(
-                        "deleting the incomplete snapshot {id} kopia saved failed ({})",
-                        prepared.location.redact(&e)
-                    ),
-                };
-                format!("{message}; {what}")
-            }
+        let message = match transfer::forget_incomplete(
+            &ctx,
+            &outcome,
+            uploader,
+            &access,
+            &prepared.location,
+        )
+        .await
+        {
+            Some(what) => format!("{message}; {what}"),
             None => message,
         };
         drop(prepared.location);

@@ -35,6 +35,17 @@ pub fn velero_source(pod_namespace: &str, pod: &str, claim_or_volume: &str) -> S
     format!("{VELERO_IDENTITY}:{REQUESTER}/kopia/{pod_namespace}/{pod}/{claim_or_volume}")
 }
 
+/// Velero's data mover's requester name, the first part of a CSI snapshot's source path.
+pub const DATA_MOVER_REQUESTER: &str = "snapshot-data-upload-download";
+
+/// The source Velero's data mover files a claim's moved CSI snapshots under:
+/// `default@default:snapshot-data-upload-download/kopia/<source namespace>/<claim>` (its
+/// `datamover.GetRealSource` behind the requester and uploader). The same source on both sides
+/// is what keeps one claim's snapshots one history with Velero's own node agent.
+pub fn data_mover_source(source_namespace: &str, claim: &str) -> String {
+    format!("{VELERO_IDENTITY}:{DATA_MOVER_REQUESTER}/kopia/{source_namespace}/{claim}")
+}
+
 /// A label value as Velero writes it: values longer than 63 characters are shortened with a
 /// hash there, so they are not selected on here (the spec is compared instead).
 fn selectable(v: &str) -> bool {

@@ -8,6 +8,9 @@
 
 pub mod admin;
 pub mod backup;
+pub mod datamover_config;
+pub mod dataupload;
+pub mod expose;
 pub mod kopia_repository;
 pub mod metrics;
 pub mod opsapi;
@@ -73,6 +76,9 @@ pub struct Context {
     /// The phases each kind's installed CRD allows (Velero <= 1.16: four; 1.17+: eight).
     pub pvb_phases: Arc<phases::KindPhases>,
     pub pvr_phases: Arc<phases::KindPhases>,
+    pub du_phases: Arc<phases::KindPhases>,
+    /// The DataUpload exposures this node runs.
+    pub exposing: dataupload::Exposing,
 }
 
 /// How long finished operations stay visible in the operations API.
@@ -379,6 +385,24 @@ async fn discover(client: &Client, shutdown: &CancellationToken) -> Option<(bool
     }
 }
 
+/// Whether Velero's data mover kinds (velero.io/v2alpha1 DataUpload; Velero 1.12+) are served.
+/// Asked once at start; a cluster without them gets no DataUpload controller (logged).
+async fn data_movement_served(client: &Client) -> bool {
+    match client.list_api_group_resources("velero.io/v2alpha1").await {
+        Ok(list) if list.resources.iter().any(|r| r.name == "datauploads") => true,
+        Ok(_) => {
+            tracing::info!(
+                "velero.io/v2alpha1 serves no DataUploads: CSI snapshot data movement is off"
+            );
+            false
+        }
+        Err(e) => {
+            tracing::info!(error = %e, "velero.io/v2alpha1 is not served (Velero < 1.12): CSI snapshot data movement is off");
+            false
+        }
+    }
+}
+
 /// Keeps `phases` equal to what the CRD `name` allows: read once before the controllers start
 /// (so the first claim is written right), then watched by name, so a CRD upgraded or
 /// downgraded under a running agent is followed. A read the API server refuses (an older RBAC
@@ -626,6 +650,19 @@ pub async fn run(args: RunArgs) -> i32 {
     // A PodVolumeRestore names no node; which one it is for is found from its pod.
     let (pvr_controller, _pvr_store) =
         controller_for(pvrs, pvr_synced.clone(), |_: &PodVolumeRestore| true);
+    let du_synced = Arc::new(AtomicBool::new(false));
+    let du_controller = if data_movement_served(&client).await {
+        let dus = Api::namespaced(client.clone(), &args.namespace);
+        let (c, _store) = controller_for(
+            dus,
+            du_synced.clone(),
+            |_: &crate::datamover::DataUpload| true,
+        );
+        Some(c)
+    } else {
+        du_synced.store(true, Ordering::SeqCst);
+        None
+    };
     let reporter = Reporter {
         controller: "podvolume-agent".into(),
         instance: Some(args.node_name.clone()),
@@ -647,6 +684,8 @@ pub async fn run(args: RunArgs) -> i32 {
         pvr_status_subresource: pvr_sub,
         pvb_phases,
         pvr_phases,
+        du_phases: Arc::new(phases::KindPhases::new("DataUpload")),
+        exposing: dataupload::Exposing::default(),
         args: args.clone(),
     });
     let _ = admin_state.ops.set(ctx.clone());
@@ -654,7 +693,10 @@ pub async fn run(args: RunArgs) -> i32 {
         // Ready once both watches have listed once (and stay ready across re-lists).
         let ready = ready.clone();
         tokio::spawn(async move {
-            while !(pvb_synced.load(Ordering::SeqCst) && pvr_synced.load(Ordering::SeqCst)) {
+            while !(pvb_synced.load(Ordering::SeqCst)
+                && pvr_synced.load(Ordering::SeqCst)
+                && du_synced.load(Ordering::SeqCst))
+            {
                 tokio::time::sleep(Duration::from_millis(50)).await;
             }
             tracing::info!("watches synced; ready");
@@ -678,8 +720,18 @@ pub async fn run(args: RunArgs) -> i32 {
         .graceful_shutdown_on(shutdown.clone().cancelled_owned())
         .run(restore::reconcile, error_policy, ctx.clone())
         .for_each(log_controller_result);
+    // Every node sees every DataUpload of the built-in mover: any may claim a New one.
+    let du_run = async {
+        if let Some(controller) = du_controller {
+            controller
+                .graceful_shutdown_on(shutdown.clone().cancelled_owned())
+                .run(dataupload::reconcile, error_policy, ctx.clone())
+                .for_each(log_controller_result)
+                .await;
+        }
+    };
     tracing::info!(node = %args.node_name, namespace = %args.namespace, "node agent started");
-    futures::join!(pvb_run, pvr_run);
+    futures::join!(pvb_run, pvr_run, du_run);
     for w in crd_watches {
         w.abort();
     }

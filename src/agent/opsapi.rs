@@ -354,6 +354,7 @@ fn resource_of(kind: OperationKind) -> &'static str {
     match kind {
         OperationKind::Backup => "podvolumebackups",
         OperationKind::Restore => "podvolumerestores",
+        OperationKind::DataUpload => "datauploads",
     }
 }
 
@@ -367,7 +368,11 @@ async fn list(State(s): State<OpsState>, headers: HeaderMap) -> Result<Response,
     let ns = ctx.args.namespace.clone();
     let mut allowed = Vec::new();
     let mut denied = None;
-    for kind in [OperationKind::Backup, OperationKind::Restore] {
+    for kind in [
+        OperationKind::Backup,
+        OperationKind::Restore,
+        OperationKind::DataUpload,
+    ] {
         match s
             .authorize(&ctx, &caller, "list", resource_of(kind), &ns, "")
             .await
@@ -579,6 +584,11 @@ async fn set_spec_cancel(ctx: &Context, op: &OperationSummary) -> Result<(), kub
         }
         OperationKind::Restore => {
             let api: Api<PodVolumeRestore> = Api::namespaced(ctx.client.clone(), &op.namespace);
+            api.patch(&op.name, &pp, &patch).await.map(drop)
+        }
+        OperationKind::DataUpload => {
+            let api: Api<crate::datamover::DataUpload> =
+                Api::namespaced(ctx.client.clone(), &op.namespace);
             api.patch(&op.name, &pp, &patch).await.map(drop)
         }
     }

@@ -46,6 +46,9 @@ pub struct Owner {
     pub kind: OwnerKind,
     pub name: String,
     pub uid: Option<String>,
+    /// Whether the transfer is one of the owner's async item operations (a DataUpload or
+    /// DataDownload), which Velero waits for in `WaitingForPluginOperations`.
+    pub async_operation: bool,
 }
 
 impl Owner {
@@ -59,6 +62,7 @@ impl Owner {
                 kind,
                 name: r.name.clone(),
                 uid: Some(r.uid.clone()),
+                async_operation: false,
             });
         }
         let name = meta.labels.as_ref()?.get(kind.label())?;
@@ -66,6 +70,15 @@ impl Owner {
             kind,
             name: name.clone(),
             uid: None,
+            async_operation: false,
+        })
+    }
+
+    /// The owner of a transfer object of kind `K`.
+    pub fn of_transfer<K: super::status::VolumeObject>(obj: &K) -> Option<Owner> {
+        Owner::of(obj, K::OWNER).map(|o| Owner {
+            async_operation: K::ASYNC_OPERATION,
+            ..o
         })
     }
 
@@ -117,7 +130,17 @@ const DONE_PHASES: &[&str] = &[
     "Deleting",
 ];
 
-pub fn state_of_phase(phase: &str) -> OwnerState {
+/// The phases in which Velero still waits for its async item operations (DataUploads,
+/// DataDownloads).
+const ASYNC_WAITING_PHASES: &[&str] = &[
+    "WaitingForPluginOperations",
+    "WaitingForPluginOperationsPartiallyFailed",
+];
+
+pub fn state_of_phase(phase: &str, async_operation: bool) -> OwnerState {
+    if async_operation && ASYNC_WAITING_PHASES.contains(&phase) {
+        return OwnerState::Waiting;
+    }
     if DONE_PHASES.contains(&phase) {
         OwnerState::Done(phase.to_string())
     } else {
@@ -176,7 +199,7 @@ impl OwnerCheck {
             None => OwnerState::Gone,
             Some((uid, _, _)) if owner.uid.as_ref().is_some_and(|u| *u != uid) => OwnerState::Gone,
             Some((_, _, true)) => OwnerState::Deleting,
-            Some((_, phase, false)) => state_of_phase(&phase),
+            Some((_, phase, false)) => state_of_phase(&phase, owner.async_operation),
         }
     }
 
@@ -265,7 +288,8 @@ mod tests {
             Some(Owner {
                 kind: OwnerKind::Backup,
                 name: "b2".into(),
-                uid: None
+                uid: None,
+                async_operation: false,
             })
         );
         let bare = pvb(serde_json::json!({
@@ -306,7 +330,7 @@ mod tests {
             "InProgress",
             "SomethingNew",
         ] {
-            assert_eq!(state_of_phase(p), OwnerState::Waiting, "{p}");
+            assert_eq!(state_of_phase(p, false), OwnerState::Waiting, "{p}");
         }
         for p in [
             "WaitingForPluginOperations",
@@ -317,15 +341,27 @@ mod tests {
             "FailedValidation",
             "Deleting",
         ] {
-            assert_eq!(state_of_phase(p), OwnerState::Done(p.into()), "{p}");
+            assert_eq!(state_of_phase(p, false), OwnerState::Done(p.into()), "{p}");
         }
+        // A DataUpload's Backup waits for it in WaitingForPluginOperations.
+        for p in [
+            "WaitingForPluginOperations",
+            "WaitingForPluginOperationsPartiallyFailed",
+        ] {
+            assert_eq!(state_of_phase(p, true), OwnerState::Waiting, "{p}");
+        }
+        assert_eq!(
+            state_of_phase("Finalizing", true),
+            OwnerState::Done("Finalizing".into())
+        );
         let owner = Owner {
             kind: OwnerKind::Backup,
             name: "b".into(),
             uid: None,
+            async_operation: false,
         };
         assert_eq!(
-            state_of_phase("PartiallyFailed")
+            state_of_phase("PartiallyFailed", false)
                 .stop_reason(&owner)
                 .unwrap(),
             "backup b ended (PartiallyFailed)"

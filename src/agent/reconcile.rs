@@ -59,6 +59,19 @@ impl Reconciled for PodVolumeRestore {
     }
 }
 
+impl Reconciled for crate::datamover::DataUpload {
+    const OPERATION_KIND: OperationKind = OperationKind::DataUpload;
+    /// Its node (`status.node`) is written when it is Prepared, before it is queued.
+    const NODE_IN_STATUS: bool = false;
+    fn status_subresource(_ctx: &Context) -> bool {
+        // Velero's CRD has none (`subresources: {}`).
+        false
+    }
+    fn phases(ctx: &Context) -> &Arc<KindPhases> {
+        &ctx.du_phases
+    }
+}
+
 /// The writer of one object's status and finalizer.
 pub fn writer<K: Reconciled>(ctx: &Context, obj: &K) -> ObjectWriter<K> {
     let api: Api<K> = Api::namespaced(ctx.client.clone(), &obj.namespace().unwrap_or_default());

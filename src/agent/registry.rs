@@ -37,6 +37,8 @@ pub enum CancelReason {
 pub enum OperationKind {
     Backup,
     Restore,
+    /// CSI snapshot data movement of a backup (a DataUpload).
+    DataUpload,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]

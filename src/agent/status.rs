@@ -39,6 +39,11 @@ pub trait VolumeObject:
     const OPERATION: &'static str;
     /// The kind of Velero object a transfer of this kind belongs to.
     const OWNER: super::owner::OwnerKind;
+    /// The finalizer the agent keeps on an object it is moving (Velero's, per kind).
+    const FINALIZER: &'static str;
+    /// A Velero async item operation (DataUpload, DataDownload): its Backup/Restore waits for it
+    /// in `WaitingForPluginOperations`, not inside `InProgress`.
+    const ASYNC_OPERATION: bool;
     fn phase(&self) -> Phase;
     /// When the object was claimed (orders the queue).
     fn accepted_timestamp(&self) -> Option<&Time>;
@@ -56,11 +61,13 @@ pub trait VolumeObject:
 
 // Both kinds have the same status and spec fields for these; one body serves both.
 macro_rules! volume_object {
-    ($kind:ty, $name:literal, $operation:literal, $owner:expr) => {
+    ($kind:ty, $name:literal, $operation:literal, $owner:expr, $finalizer:expr, $async_op:literal) => {
         impl VolumeObject for $kind {
             const KIND: &'static str = $name;
             const OPERATION: &'static str = $operation;
             const OWNER: super::owner::OwnerKind = $owner;
+            const FINALIZER: &'static str = $finalizer;
+            const ASYNC_OPERATION: bool = $async_op;
             fn phase(&self) -> Phase {
                 self.status
                     .as_ref()
@@ -90,13 +97,25 @@ volume_object!(
     PodVolumeBackup,
     "PodVolumeBackup",
     "backup",
-    super::owner::OwnerKind::Backup
+    super::owner::OwnerKind::Backup,
+    FINALIZER,
+    false
 );
 volume_object!(
     PodVolumeRestore,
     "PodVolumeRestore",
     "restore",
-    super::owner::OwnerKind::Restore
+    super::owner::OwnerKind::Restore,
+    FINALIZER,
+    false
+);
+volume_object!(
+    crate::datamover::DataUpload,
+    "DataUpload",
+    "data_upload",
+    super::owner::OwnerKind::Backup,
+    super::dataupload::FINALIZER,
+    true
 );
 
 #[derive(Debug, thiserror::Error)]
@@ -191,17 +210,19 @@ impl<K: VolumeObject> ObjectWriter<K> {
 
     /// `metadata.finalizers` after `change`, or `None` when it changes nothing.
     fn finalizers_after(&self, change: Finalizer) -> Option<Value> {
-        let has = self.finalizers.iter().any(|f| f == FINALIZER);
+        let has = self.finalizers.iter().any(|f| f == K::FINALIZER);
         let next: Vec<&String> = match (change, has) {
             (Finalizer::Add, false) => self.finalizers.iter().collect(),
-            (Finalizer::Remove, true) => {
-                self.finalizers.iter().filter(|f| *f != FINALIZER).collect()
-            }
+            (Finalizer::Remove, true) => self
+                .finalizers
+                .iter()
+                .filter(|f| *f != K::FINALIZER)
+                .collect(),
             _ => return None,
         };
         let mut next: Vec<Value> = next.into_iter().map(|f| Value::String(f.clone())).collect();
         if change == Finalizer::Add {
-            next.push(Value::String(FINALIZER.to_string()));
+            next.push(Value::String(K::FINALIZER.to_string()));
         }
         Some(json!({ "finalizers": next }))
     }

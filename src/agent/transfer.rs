@@ -102,10 +102,10 @@ pub async fn monitor<K: VolumeObject>(
     let mut last_change = Instant::now();
     let mut stall_reported = false;
     let mut canceling = false;
-    let direction = if K::KIND == "PodVolumeBackup" {
-        "upload"
-    } else {
+    let direction = if matches!(K::KIND, "PodVolumeRestore" | "DataDownload") {
         "download"
+    } else {
+        "upload"
     };
     loop {
         tokio::select! {
@@ -176,7 +176,7 @@ pub async fn monitor<K: VolumeObject>(
             _ = tick.tick() => {
                 // Whether the owner still waits for this transfer (a cached read, see owner).
                 if !canceling
-                    && let Some(owner) = Owner::of(obj, K::OWNER)
+                    && let Some(owner) = Owner::of_transfer(obj)
                     && let Some(why) = ctx.owners.state(&owner).await.stop_reason(&owner)
                 {
                     tracing::info!(owner = %owner.describe(), "{why}; stopping the transfer");
@@ -336,6 +336,28 @@ pub async fn remove_finalizer<K: VolumeObject>(writer: &mut ObjectWriter<K>) -> 
     false
 }
 
+/// kopia saves a snapshot marked incomplete when it is stopped: not a result, yet pinned in
+/// Velero's repository for ever if left. Made by this operation, so removed; what happened, for
+/// the object's message.
+pub async fn forget_incomplete(
+    ctx: &Context,
+    outcome: &crate::uploader::Outcome,
+    uploader: crate::uploader::UploaderKind,
+    access: &crate::uploader::RepositoryAccess,
+    location: &super::storage::LocationAccess,
+) -> Option<String> {
+    let id = outcome.incomplete_snapshot_id.as_ref()?;
+    Some(
+        match ctx.engine.forget_snapshot(uploader, access, id).await {
+            Ok(()) => format!("the incomplete snapshot {id} kopia saved was deleted"),
+            Err(e) => format!(
+                "deleting the incomplete snapshot {id} kopia saved failed ({})",
+                location.redact(&e)
+            ),
+        },
+    )
+}
+
 /// The phase an outcome gives the object.
 pub fn terminal_phase(
     kind: &crate::uploader::OutcomeKind,
@@ -434,7 +456,7 @@ pub async fn gate<K: VolumeObject>(
         };
     }
     // Never started for an owner that no longer waits (read now, not from the cache).
-    if let Some(owner) = Owner::of(&obj, K::OWNER)
+    if let Some(owner) = Owner::of_transfer(&obj)
         && let Some(why) = ctx.owners.state_now(&owner).await.stop_reason(&owner)
     {
         let uid = obj.uid().unwrap_or_default();

@@ -91,6 +91,30 @@ impl WatchedKind for PodVolumeRestore {
     }
 }
 
+impl WatchedKind for crate::datamover::DataUpload {
+    type Spec = crate::datamover::DataUploadSpec;
+    type Status = crate::datamover::DataUploadStatus;
+    /// Any node may claim a DataUpload of Velero's built-in mover; another mover's are not ours.
+    fn may_be_ours(spec: &str) -> bool {
+        #[derive(Deserialize)]
+        struct Mover<'a> {
+            #[serde(borrow, default)]
+            datamover: Option<Cow<'a, str>>,
+        }
+        match serde_json::from_str::<Mover>(spec) {
+            Ok(Mover { datamover: Some(m) }) => crate::datamover::is_built_in(&m),
+            _ => true,
+        }
+    }
+    fn assemble(metadata: ObjectMeta, spec: Self::Spec, status: Option<Self::Status>) -> Self {
+        crate::datamover::DataUpload {
+            metadata,
+            spec,
+            status,
+        }
+    }
+}
+
 /// One decoded object of a watch.
 #[derive(Clone, Debug)]
 pub enum Watched<K> {
