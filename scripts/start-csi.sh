@@ -34,8 +34,8 @@ stop_csi() {
   for p in csi-provisioner csi-snapshotter snapshot-controller hostpath; do
     [ -f "$dir/$p.pid" ] || continue
     pid=$(cat "$dir/$p.pid")
-    # Only a process of ours: its command line names this directory.
-    if tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -qF "$dir"; then
+    # Only the process started as this PID: its executable is the one of that name.
+    if [ "$(basename "$(readlink "/proc/$pid/exe" 2>/dev/null)")" = "$p" ]; then
       kill "$pid" 2>/dev/null || true
       for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
       kill -9 "$pid" 2>/dev/null || true

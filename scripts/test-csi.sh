@@ -153,6 +153,11 @@ wait_for "VolumeSnapshotContents deleted" 60 sh -c "[ -z \"\$($cp_bin/kubectl --
 left() { find "$work/csi/state/volumes" "$work/csi/state/snapshots" -mindepth 1 -maxdepth 1; }
 wait_for "empty driver state" 30 sh -c "[ -z \"\$(find $work/csi/state/volumes $work/csi/state/snapshots -mindepth 1 -maxdepth 1)\" ]" || true
 check "no volume and no snapshot left in the driver's state" [ -z "$(left)" ]
+section "stopped: no CSI process left"
+NODE_BIN=$node_bin CONTROL_PLANE_BIN=$cp_bin scripts/start-node.sh --stop "$work/node" >/dev/null 2>&1 || true
+scripts/start-csi.sh --stop "$work/csi" >/dev/null 2>&1 || true
+csi_left() { pgrep -f "^$csi_bin/" | while read -r p; do [ "$(awk '{print $3}' "/proc/$p/stat" 2>/dev/null)" = Z ] || echo "$p"; done; }
+check "no process of the CSI parts left after scripts/start-csi.sh --stop: $(csi_left | tr '\n' ' ')" [ -z "$(csi_left)" ]
 echo "== test-csi.sh: $failures failure(s) in $SECONDS s =="
 exit 0
 }

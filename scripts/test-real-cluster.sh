@@ -31,6 +31,8 @@
 #    built here): Velero 1.18.3 with kopia, then Velero 1.16.2 with restic.
 # 4. scripts/velero-cloud-smoke.sh: Velero with its own Azure / GCP plugin against Azurite /
 #    fake-gcs-server (azure 1.18.3 kopia, gcp 1.18.3 kopia, gcp 1.16.2 restic).
+# 5. scripts/velero-datamover-smoke.sh: Velero 1.18.3's --snapshot-move-data of two CSI claims
+#    on the real node with CSI storage; the DataUploads moved by the agent.
 #
 # Environment: PODVOLUME_TEST_KOPIA (the kopia the suites run; default: install-kopia.sh 0.22.3),
 # PODVOLUME_TOOLS_CACHE (the tools cache, as the install scripts).
@@ -159,6 +161,10 @@ for run in "azure $velero_version" "gcp $velero_version" "gcp $velero_old_versio
   section "Velero ${run#* } with its ${run%% *} plugin drives the agent against the emulator (scripts/velero-cloud-smoke.sh $run)"
   scripts/velero-cloud-smoke.sh $run
 done
+# CSI snapshot data movement: Velero's --snapshot-move-data with CSI claims on the real node,
+# the DataUploads claimed, exposed and moved by the agent.
+section "Velero $velero_version --snapshot-move-data: DataUploads moved by the agent (scripts/velero-datamover-smoke.sh)"
+scripts/velero-datamover-smoke.sh "$velero_version"
 
 echo "== real-cluster tests passed in $(($(date +%s) - started)) s =="
 }

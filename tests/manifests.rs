@@ -1047,6 +1047,13 @@ const NEEDS: &[(Scope, &str, &str, &str, Option<&str>)] = &[
         "delete",
         None,
     ),
+    (
+        Scope::Namespace,
+        "velero.io",
+        "backuprepositories",
+        "create",
+        None,
+    ),
     (Scope::Namespace, "velero.io", "datauploads", "get", None),
     (Scope::Namespace, "velero.io", "datauploads", "list", None),
     (Scope::Namespace, "velero.io", "datauploads", "watch", None),

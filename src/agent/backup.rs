@@ -207,6 +207,7 @@ async fn prepare(ctx: &Context, pvb: &PodVolumeBackup) -> Result<Prepared, Strin
         &pvb.spec.backup_storage_location,
         &pvb.uid().unwrap_or_default(),
         pvb.spec.pod.namespace.as_deref().unwrap_or_default(),
+        None,
     )
     .await?;
     let tags: Vec<(String, String)> = pvb

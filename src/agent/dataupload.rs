@@ -406,6 +406,8 @@ async fn prepare_transfer(ctx: &Context, du: &DataUpload) -> Result<Prepared, St
         &du.spec.backup_storage_location,
         &du.uid().unwrap_or_default(),
         &du.spec.source_namespace,
+        // Velero's data mover waits for it as long as its --resource-timeout (10 minutes).
+        Some(Duration::from_secs(600)),
     )
     .await?;
     use super::kopia_repository as velero;

@@ -59,7 +59,7 @@ pub async fn ready_repository(
     namespace: &str,
     volume_namespace: &str,
     location: &str,
-) -> Result<String, String> {
+) -> Result<String, RepositoryError> {
     let gvk = GroupVersionKind::gvk("velero.io", "v1", "BackupRepository");
     let api: Api<DynamicObject> =
         Api::namespaced_with(client.clone(), namespace, &ApiResource::from_gvk(&gvk));
@@ -81,9 +81,10 @@ pub async fn ready_repository(
         Err(kube::Error::Api(e)) if e.code == 404 => {
             return Err(format!(
                 "{what}: the BackupRepository CRD is not installed (Velero 1.17+ creates kopia repositories through it)"
-            ));
+            )
+            .into());
         }
-        Err(e) => return Err(format!("cannot list {what}: {e}")),
+        Err(e) => return Err(format!("cannot list {what}: {e}").into()),
     };
     let field = |o: &DynamicObject, part: &str, name: &str| {
         o.data[part][name].as_str().unwrap_or_default().to_string()
@@ -100,16 +101,20 @@ pub async fn ready_repository(
     let repo = match matching[..] {
         [one] => one,
         [] => {
-            return Err(format!(
+            let message = format!(
                 "{what} does not exist: Velero's server creates it before the first pod volume backup of the namespace; this node agent does not create repositories"
-            ));
+            );
+            return Err(RepositoryError {
+                missing: true,
+                message,
+            });
         }
         _ => {
             let names: Vec<&str> = matching
                 .iter()
                 .filter_map(|o| o.metadata.name.as_deref())
                 .collect();
-            return Err(format!("{what}: several match ({})", names.join(", ")));
+            return Err(format!("{what}: several match ({})", names.join(", ")).into());
         }
     };
     let name = repo.metadata.name.clone().unwrap_or_default();
@@ -125,8 +130,101 @@ pub async fn ready_repository(
                 } else {
                     format!(": {message}")
                 }
-            ))
+            )
+            .into())
         }
+    }
+}
+
+/// Why there is no Ready repository: none exists (`missing`), or another reason.
+#[derive(Debug)]
+pub struct RepositoryError {
+    pub missing: bool,
+    pub message: String,
+}
+
+impl From<String> for RepositoryError {
+    fn from(message: String) -> Self {
+        RepositoryError {
+            missing: false,
+            message,
+        }
+    }
+}
+
+impl std::fmt::Display for RepositoryError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+/// The Ready kopia BackupRepository of (`volume_namespace`, `location`), asking Velero's server
+/// for it first when there is none, as Velero's data mover does (its repository ensurer): a
+/// BackupRepository object named `<namespace>-<location>-kopia` with Velero's labels, which
+/// Velero's BackupRepository controller then initialises or connects (the agent never touches
+/// the repository's storage itself). Velero creates none before CSI data movement, only before
+/// pod volume backups. Waits up to `within` for it to be Ready.
+pub async fn ensure_repository(
+    client: &Client,
+    namespace: &str,
+    volume_namespace: &str,
+    location: &str,
+    within: std::time::Duration,
+) -> Result<String, String> {
+    match ready_repository(client, namespace, volume_namespace, location).await {
+        Err(e) if e.missing => {}
+        other => return other.map_err(|e| e.message),
+    }
+    if !selectable(volume_namespace) || !selectable(location) {
+        return Err(format!(
+            "no kopia BackupRepository of namespace {volume_namespace:?} and location {location:?}, and names this long are not asked for here (Velero shortens their labels)"
+        ));
+    }
+    let gvk = GroupVersionKind::gvk("velero.io", "v1", "BackupRepository");
+    let api: Api<DynamicObject> =
+        Api::namespaced_with(client.clone(), namespace, &ApiResource::from_gvk(&gvk));
+    let name = format!("{volume_namespace}-{location}-kopia");
+    let obj: DynamicObject = serde_json::from_value(serde_json::json!({
+        "apiVersion": "velero.io/v1", "kind": "BackupRepository",
+        "metadata": {"name": name, "namespace": namespace, "labels": {
+            VOLUME_NAMESPACE_LABEL: volume_namespace, STORAGE_LOCATION_LABEL: location,
+            REPOSITORY_TYPE_LABEL: "kopia"}},
+        "spec": {"volumeNamespace": volume_namespace, "backupStorageLocation": location,
+            "repositoryType": "kopia", "resticIdentifier": "",
+            // What Velero's Go type sends for its unset duration (the field is required); its
+            // server sets the real frequency when it initialises the repository.
+            "maintenanceFrequency": "0s"},
+    }))
+    .expect("a BackupRepository");
+    match api.create(&kube::api::PostParams::default(), &obj).await {
+        Ok(_) => {
+            tracing::info!(backup_repository = %name, "asked Velero's server for the kopia repository (a BackupRepository)")
+        }
+        Err(kube::Error::Api(e)) if e.code == 409 => {}
+        Err(kube::Error::Api(e)) => {
+            return Err(format!(
+                "cannot create BackupRepository {namespace}/{name}: {}",
+                e.message
+            ));
+        }
+        Err(e) => {
+            return Err(format!(
+                "cannot create BackupRepository {namespace}/{name}: {e}"
+            ));
+        }
+    }
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        let r = ready_repository(client, namespace, volume_namespace, location).await;
+        if r.is_ok() || tokio::time::Instant::now() >= deadline {
+            return r.map_err(|e| {
+                format!(
+                    "{e} (waited {} for Velero's server to make it Ready)",
+                    humantime::format_duration(within)
+                )
+            });
+        }
+        tokio::time::sleep(std::time::Duration::from_secs(1)).await;
     }
 }
 

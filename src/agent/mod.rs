@@ -123,6 +123,8 @@ pub async fn pod_volume_path(
 /// repository Velero's server created for (`volume_namespace`, `location`), which must exist as
 /// a Ready BackupRepository, at `<prefix>/kopia/<volume_namespace>/` of the location (see
 /// [`kopia_repository`]). kopia with a `repo`: that local repository, no location read.
+/// With `ensure_within` (data movement) a missing BackupRepository is asked of Velero's server
+/// and waited for, as Velero's data mover does ([`kopia_repository::ensure_repository`]).
 /// The returned [`storage::LocationAccess`] must live as long as the operation: dropping it
 /// removes the operation's credentials files.
 pub async fn repository_access(
@@ -132,6 +134,7 @@ pub async fn repository_access(
     location: &str,
     uid: &str,
     volume_namespace: &str,
+    ensure_within: Option<Duration>,
 ) -> Result<(RepositoryAccess, storage::LocationAccess), String> {
     let velero_kopia = uploader == UploaderKind::Kopia && repo.is_empty();
     if repo.is_empty() && !velero_kopia {
@@ -151,13 +154,26 @@ pub async fn repository_access(
         storage::LocationAccess::default()
     };
     let repository = if velero_kopia {
-        let name = kopia_repository::ready_repository(
-            &ctx.client,
-            &ctx.args.namespace,
-            volume_namespace,
-            location,
-        )
-        .await?;
+        let name = match ensure_within {
+            Some(within) => {
+                kopia_repository::ensure_repository(
+                    &ctx.client,
+                    &ctx.args.namespace,
+                    volume_namespace,
+                    location,
+                    within,
+                )
+                .await
+            }
+            None => kopia_repository::ready_repository(
+                &ctx.client,
+                &ctx.args.namespace,
+                volume_namespace,
+                location,
+            )
+            .await
+            .map_err(|e| e.message),
+        }?;
         let what = format!("BackupStorageLocation {}/{location}", ctx.args.namespace);
         let (url, region) =
             kopia_repository::repository_location(&location_access.spec, &what, volume_namespace)?;

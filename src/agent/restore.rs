@@ -265,6 +265,7 @@ async fn prepare(
         &pvr.spec.backup_storage_location,
         &pvr.uid().unwrap_or_default(),
         &pvr.spec.source_namespace,
+        None,
     )
     .await?;
     let setting = |k: &str| {

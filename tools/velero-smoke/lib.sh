@@ -78,6 +78,8 @@ cleanup() {
     [ -n "${agent_log_saver:-}" ] && $agent_log_saver
     "$root/scripts/start-node.sh" --stop "$W/node" >>"$W/node.log" 2>&1
   fi
+  # CSI storage (the data mover smoke): after the node, which unmounts its volumes.
+  if [ -n "${csi_dir:-}" ]; then "$root/scripts/start-csi.sh" --stop "$csi_dir" >>"$W/csi.log" 2>&1; fi
   if [ "$cp_started" = 1 ]; then "$root/scripts/start-control-plane.sh" --stop "$W/cp" >>"$W/control-plane.log" 2>&1; fi
   [ ${#stopped[@]} -eq 0 ] || echo "cleanup: stopped (SIGTERM to exit) $(IFS=,; echo "${stopped[*]}" | sed 's/,/, /g'); control plane"
   if [ "$rc" -eq 0 ] && [ ${#failed[@]} -eq 0 ] && [ "${VELERO_SMOKE_KEEP:-0}" != 1 ]; then

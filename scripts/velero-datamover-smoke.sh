@@ -1,0 +1,273 @@
+#!/usr/bin/env bash
+# CSI snapshot data movement with the real Velero server: `velero backup create
+# --snapshot-move-data` of a namespace with two CSI claims on the real node (the tests' CSI
+# driver, the real snapshot-controller and sidecars, see scripts/start-csi.sh); Velero's server
+# takes the VolumeSnapshots and creates the DataUploads, the agent (the DaemonSet's pod) claims,
+# exposes and moves them into Velero's kopia repository on fake-gcs-server over TLS.
+#
+#   scripts/velero-datamover-smoke.sh          # Velero 1.18.3
+#
+# Checks: every DataUpload Completed by the agent with exact bytes, a snapshot ID, its node and
+# timestamps; the Backup Completed; the snapshots in the repository of the source namespace under
+# Velero's data mover source (default@default:snapshot-data-upload-download/kopia/<ns>/<claim>);
+# nothing exposed left in the Velero namespace (pods, claims, VolumeSnapshots, contents).
+#
+# Environment: VELERO_SMOKE_DIR, VELERO_SMOKE_KEEP, VELERO_SMOKE_TIMEOUT, PODVOLUME_IMAGE as
+# scripts/velero-smoke.sh.
+set -euo pipefail
+{
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+tools=$root/tools/velero-smoke
+PROVIDER=gcp
+VELERO_VERSION=${1:-1.18.3}
+VELERO_VERSION=${VELERO_VERSION#v}
+UPLOADER=kopia
+KOPIA_VERSION=0.22.3
+NODE=dm-node
+VNS=velero
+APP=dm-app
+BUCKET=velero-gcp
+PREFIX=backups
+TIMEOUT=${VELERO_SMOKE_TIMEOUT:-300}
+unset AWS_ACCESS_KEY_ID AWS_SECRET_ACCESS_KEY AWS_SHARED_CREDENTIALS_FILE KUBECONFIG VELERO_NAMESPACE NODE_NAME \
+  KOPIA_PASSWORD KOPIA_CONFIG_PATH RESTIC_REPOSITORY RESTIC_PASSWORD_FILE GOOGLE_APPLICATION_CREDENTIALS \
+  STORAGE_EMULATOR_HOST SSL_CERT_FILE
+
+source "$tools/lib.sh"
+W=${VELERO_SMOKE_DIR:-}
+if [ -z "$W" ]; then W=$(mktemp -d /tmp/velero-datamover-smoke.XXXXXX); else mkdir -p "$W"; W=$(cd "$W" && pwd); fi
+trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+say "work directory: $W (Velero $VELERO_VERSION, CSI snapshot data movement)"
+
+# --- tools -----------------------------------------------------------------------------------------
+step_begin "tools (install scripts, cached)"
+[ "$(id -u)" -eq 0 ] || die "needs root: it runs a real node"
+cp_bin=$("$root/scripts/install-control-plane.sh") || die "scripts/install-control-plane.sh failed"
+node_bin=$("$root/scripts/install-node.sh") || die "scripts/install-node.sh failed"
+read -r v vdir < <("$root/scripts/install-velero.sh" "$VELERO_VERSION") || die "scripts/install-velero.sh failed"
+velero=$vdir/velero
+csi_bin=$("$root/scripts/install-csi.sh") || die "scripts/install-csi.sh failed"
+plugin=$("$root/scripts/install-velero-cloud-plugins.sh" | grep "velero-plugin-for-gcp\$") \
+  || die "scripts/install-velero-cloud-plugins.sh failed"
+read -r azurite fake_gcs < <("$root/scripts/install-cloud-emulators.sh") || die "scripts/install-cloud-emulators.sh failed"
+read -r v kopia < <("$root/scripts/install-kopia.sh" "$KOPIA_VERSION") || die "scripts/install-kopia.sh failed"
+plugin_version=$(go version -m "$plugin" | awk '$1 == "mod" && $2 ~ /velero-plugin-for/ { print $3 }')
+if [ -n "${PODVOLUME_IMAGE:-}" ]; then
+  agent_image=$PODVOLUME_IMAGE
+else
+  (cd "$root" && cargo build --quiet --bin podvolume-agent) || die "cargo build failed"
+  agent_image=$W/image
+  base=()
+  [ -f "$root/target/test-tools/image-base.tar" ] && base=(--base "$root/target/test-tools/image-base.tar")
+  "$root/scripts/build-image.sh" --oci "$agent_image" --agent "$root/target/debug/podvolume-agent" "${base[@]}" \
+    >"$W/build-image.log" 2>&1 || die "scripts/build-image.sh --oci failed: $(tail -n 20 "$W/build-image.log")"
+fi
+kubectl=$cp_bin/kubectl
+emulator="fake-gcs-server $(cat "$(dirname "$fake_gcs")/version")"
+uploader_version=$("$kopia" --version | head -n1 | cut -d' ' -f1)
+csi_versions="external-snapshotter $("$csi_bin/csi-snapshotter" --version 2>&1 | awk '{print $NF}'), external-provisioner $("$csi_bin/csi-provisioner" --version 2>&1 | awk '{print $NF}'), the tests' hostpath CSI driver"
+echo "  velero $VELERO_VERSION + $(basename "$plugin") $plugin_version, $emulator, kopia $uploader_version; $csi_versions"
+step_end
+
+# --- control plane + node --------------------------------------------------------------------------
+step_begin "control plane + the real node $NODE"
+cp_started=1
+KUBE_SCHEDULER=1 APISERVER_PORT=443 APISERVER_BIND_ADDRESS=0.0.0.0 CONTROL_PLANE_BIN=$cp_bin \
+  "$root/scripts/start-control-plane.sh" "$W/cp" >"$W/cp.env" 2>"$W/control-plane.log" \
+  || { cp_started=0; die "scripts/start-control-plane.sh failed: $(tail -n 30 "$W/control-plane.log")"; }
+apiserver=$(sed -n 's/^APISERVER_URL=//p' "$W/cp.env")
+admin_kc=$W/cp/admin.kubeconfig
+k() { "$kubectl" --kubeconfig "$admin_kc" "$@"; }
+node_started=1
+NODE_NAME=$NODE NODE_BIN=$node_bin CONTROL_PLANE_BIN=$cp_bin "$root/scripts/start-node.sh" "$W/cp" "$W/node" \
+  >"$W/node.env" 2>"$W/node.log" || { node_started=0; die "scripts/start-node.sh failed: $(tail -n 30 "$W/node.log")"; }
+node_ip=$(sed -n 's/^NODE_IP=//p' "$W/node.env")
+agent_ref=$(sed -n 's/^ *image: *//p' "$root/daemonset/daemonset.yaml")
+"$root/scripts/start-node.sh" --import "$W/node" "$agent_ref" "$agent_image:latest" 2>>"$W/node.log" \
+  || die "importing the agent's image failed: $(tail -n 5 "$W/node.log")"
+"$root/scripts/start-node.sh" --make-image "$W/node" "docker.io/velero/velero:v$VELERO_VERSION" /velero \
+  "/velero=$velero" "/velero-restore-helper=$vdir/velero-restore-helper" 2>>"$W/node.log" \
+  || die "making Velero's image failed: $(tail -n 5 "$W/node.log")"
+WORKLOAD_IMAGE=podvolume.test/busybox:1
+csi_dir=$W/csi
+CSI_BIN=$csi_bin CONTROL_PLANE_BIN=$cp_bin "$root/scripts/start-csi.sh" "$W/cp" "$W/node" "$csi_dir" >"$W/csi.env" 2>"$W/csi.log" \
+  || die "scripts/start-csi.sh failed: $(tail -n 30 "$W/csi.log")"
+echo "  $apiserver; Node $NODE Ready at $node_ip; CSI storage class podvolume-csi with snapshots"
+step_end
+
+# --- the object store ----------------------------------------------------------------------------
+step_begin "$emulator on $node_ip, TLS with a private CA"
+mkdir -p "$W/store"
+(
+  cd "$W/store"
+  openssl req -x509 -newkey rsa:2048 -nodes -days 2 -keyout ca.key -out ca.pem -subj "/CN=velero-cloud-smoke CA" \
+    -addext "basicConstraints=critical,CA:TRUE" -addext "keyUsage=critical,keyCertSign,cRLSign" 2>/dev/null
+  openssl req -newkey rsa:2048 -nodes -keyout server.key -out server.csr -subj "/CN=$node_ip" 2>/dev/null
+  printf 'subjectAltName=IP:%s,DNS:localhost\nbasicConstraints=CA:FALSE\nextendedKeyUsage=serverAuth\n' "$node_ip" >server.ext
+  openssl x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial -days 2 -out server.pem \
+    -extfile server.ext 2>/dev/null
+  # Go's roots plus ours, for the processes that take no CA setting (SSL_CERT_FILE).
+  cat /etc/ssl/certs/ca-certificates.crt ca.pem >bundle.pem
+) || die "openssl could not make the certificates"
+store_port=$(free_port)
+listening() { (exec 3<>"/dev/tcp/$node_ip/$store_port") 2>/dev/null; }
+start_group fake-gcs-server 5 "$W/store/fake-gcs.log" "$fake_gcs" -scheme https -host "$node_ip" -port "$store_port" \
+  -backend filesystem -filesystem-root "$W/store/data" -public-host "$node_ip:$store_port" \
+  -external-url "https://$node_ip:$store_port" -cert-location "$W/store/server.pem" \
+  -private-key-location "$W/store/server.key" -log-level warn
+wait_until 60 "fake-gcs-server listening" listening
+curl -fsS --cacert "$W/store/ca.pem" -X POST -d "{\"name\":\"$BUCKET\"}" "https://$node_ip:$store_port/storage/v1/b?project=podvolume" >/dev/null \
+  || die "creating bucket $BUCKET failed"
+pk=$(openssl genpkey -algorithm RSA -pkeyopt rsa_keygen_bits:2048 2>/dev/null)
+(umask 077; python3 -c 'import json,sys; print(json.dumps({"type": "service_account", "project_id": "podvolume",
+  "private_key_id": "0123456789abcdef", "private_key": sys.argv[1], "client_email": "velero@podvolume.iam.gserviceaccount.com",
+  "client_id": "1", "token_uri": "https://oauth2.googleapis.com/token"}))' "$pk" >"$W/cloud")
+emulator_host=https://$node_ip:$store_port
+bsl_config="storeEndpoint=$emulator_host/storage/v1/"
+echo "  $emulator_host, bucket $BUCKET, a service-account key file as the credentials"
+step_end
+
+# --- Velero and the agent ----------------------------------------------------------------------------
+step_begin "velero install --provider $PROVIDER + kubectl apply -k daemonset/"
+mkdir -p "$W/home"
+vel_cmd=(env HOME="$W/home" "$velero" --kubeconfig "$admin_kc" --namespace "$VNS")
+vel() { "${vel_cmd[@]}" "$@"; }
+vel install --provider "$PROVIDER" --plugins "velero/$(basename "$plugin"):$plugin_version" --bucket "$BUCKET" --prefix "$PREFIX" \
+  --secret-file "$W/cloud" --cacert "$W/store/ca.pem" --backup-location-config "$bsl_config" \
+  --use-volume-snapshots=false --uploader-type "$UPLOADER" --features=EnableCSI >"$W/velero-install.log" 2>&1 \
+  || die "velero install failed: $(tail -n 20 "$W/velero-install.log")"
+k apply -k "$root/daemonset/" -l app.kubernetes.io/name=podvolume-agent >"$W/daemonset-apply.log" 2>&1 \
+  || die "kubectl apply -k daemonset/ failed: $(cat "$W/daemonset-apply.log")"
+# What a cluster with this store needs of the agent's pod, and nothing else: the account's name
+# resolved (Azure; DNS in production), or the emulator's address (GCS; no such variable in
+# production).
+k -n "$VNS" set env daemonset/node-agent STORAGE_EMULATOR_HOST="$emulator_host" GOOGLE_ACCESS_TOKEN=emulator-needs-none >/dev/null
+wait_until 180 "the Ready pod of DaemonSet node-agent on $NODE" ds_pod_ready
+ds_pod=$(k -n "$VNS" get pods -l name=node-agent --field-selector "spec.nodeName=$NODE" -o jsonpath='{.items[0].metadata.name}')
+ds_uid=$(k -n "$VNS" get pod "$ds_pod" -o jsonpath='{.metadata.uid}')
+save_agent_log() { cat /var/log/pods/"${VNS}_${ds_pod}_${ds_uid}"/node-agent/*.log >"$W/agent.log" 2>/dev/null || true; }
+agent_log_saver=save_agent_log
+k -n "$VNS" scale deployment velero --replicas=0 >/dev/null
+token_kubeconfig velero "$W/velero-sa.kubeconfig"
+echo "  agent pod $ds_pod Ready on $NODE (STORAGE_EMULATOR_HOST=$emulator_host)"
+step_end
+
+step_begin "velero server (host process) with $(basename "$plugin")"
+port_free 8080 || die "port 8080 is taken (velero server's metrics server binds :8080)"
+mkdir -p "$W/velero/tmp" "$W/velero/home" "$W/velero/scratch" "$W/velero/credentials" "$W/velero/plugins" "$W/velero/bin"
+ln -s "$plugin" "$W/velero/plugins/"
+(umask 077; k -n "$VNS" get secret cloud-credentials -o jsonpath='{.data.cloud}' | base64 -d >"$W/velero/credentials/cloud")
+server_env=(TMPDIR="$W/velero/tmp" HOME="$W/velero/home" VELERO_SCRATCH_DIR="$W/velero/scratch" VELERO_NAMESPACE="$VNS"
+  PATH="$W/velero/bin:$PATH")
+server_env+=(GOOGLE_APPLICATION_CREDENTIALS="$W/velero/credentials/cloud" STORAGE_EMULATOR_HOST="$emulator_host"
+  SSL_CERT_FILE="$W/store/bundle.pem" GOOGLE_ACCESS_TOKEN=emulator-needs-none)
+wrap=()
+start_group velero-server 5 "$W/velero-server.log" env "${server_env[@]}" \
+  "$velero" server --features=EnableCSI --uploader-type="$UPLOADER" --kubeconfig "$W/velero-sa.kubeconfig" --namespace "$VNS" \
+  --plugin-dir "$W/velero/plugins" --metrics-address "127.0.0.1:$(free_port)" --profiler-address= --log-level info
+velero_pg=${groups[-1]#*:}; velero_pg=${velero_pg%%:*}
+bsl_available() {
+  group_alive "$velero_pg" || die "velero server exited: $(tail -n 20 "$W/velero-server.log")"
+  [ "$(k -n "$VNS" get bsl default -o jsonpath='{.status.phase}' 2>/dev/null)" = Available ]
+}
+wait_until "$TIMEOUT" "BackupStorageLocation default Available" bsl_available
+echo "  BackupStorageLocation default ($PROVIDER) Available: $(k -n "$VNS" get bsl default -o jsonpath='{.spec.config}')"
+step_end
+
+# --- workload -------------------------------------------------------------------------------------
+step_begin "workload: a pod with two CSI claims of random data"
+k create namespace "$APP" >/dev/null
+for c in data logs; do
+  k apply -f - >/dev/null <<YAML
+apiVersion: v1
+kind: PersistentVolumeClaim
+metadata: {name: $c, namespace: $APP}
+spec:
+  accessModes: [ReadWriteOnce]
+  storageClassName: podvolume-csi
+  resources: {requests: {storage: 64Mi}}
+YAML
+done
+k apply -f - >/dev/null <<YAML
+apiVersion: v1
+kind: Pod
+metadata: {name: writer, namespace: $APP}
+spec:
+  terminationGracePeriodSeconds: 1
+  containers:
+  - {name: app, image: $WORKLOAD_IMAGE, command: [sleep, infinity], volumeMounts: [{name: data, mountPath: /data}, {name: logs, mountPath: /logs}]}
+  volumes: [{name: data, persistentVolumeClaim: {claimName: data}}, {name: logs, persistentVolumeClaim: {claimName: logs}}]
+YAML
+running() { [ "$(k -n "$APP" get pod writer -o jsonpath='{.status.phase}' 2>/dev/null)" = Running ]; }
+wait_until 120 "pod writer Running" running
+voldir() { echo "/var/lib/kubelet/pods/$(k -n "$APP" get pod writer -o jsonpath='{.metadata.uid}')/volumes/kubernetes.io~csi/$(k -n "$APP" get pvc "$1" -o jsonpath='{.spec.volumeName}')/mount"; }
+rnd() { mkdir -p "$(dirname "$1")"; head -c "$2" /dev/urandom >"$1"; }
+d=$(voldir data); rnd "$d/db/table.bin" $((5 * 1024 * 1024 + 5)); rnd "$d/conf/app.conf" 4099
+d=$(voldir logs); rnd "$d/app.log" $((2 * 1024 * 1024 + 77)); rnd "$d/old/app.log.1" 77777
+bytes() { find "$1" -type f -printf '%s\n' | awk '{ s += $1 } END { print s + 0 }'; }
+declare -A expected=([data]=$(bytes "$(voldir data)") [logs]=$(bytes "$(voldir logs)"))
+echo "  bytes per claim: data=${expected[data]} logs=${expected[logs]}"
+step_end
+
+# --- backup with data movement -----------------------------------------------------------------------
+step_begin "velero backup create b1 --include-namespaces $APP --snapshot-move-data --wait"
+brc=0; bounded "$W/backup-create.out" "${vel_cmd[@]}" backup create b1 --include-namespaces "$APP" --snapshot-move-data --wait || brc=$?
+step_end
+k -n "$VNS" get datauploads -l velero.io/backup-name=b1 -o json >"$W/datauploads.json"
+bphase=$(k -n "$VNS" get backup b1 -o jsonpath='{.status.phase}')
+echo "  Backup b1: $bphase; DataUploads: $(k -n "$VNS" get datauploads -l velero.io/backup-name=b1 -o jsonpath='{range .items[*]}{.spec.sourcePVC}={.status.phase} node={.status.node} {.status.progress.bytesDone}/{.status.progress.totalBytes} {.status.message}; {end}')"
+check "velero backup create --wait returned 0" [ "$brc" -eq 0 ]
+check "Backup b1 phase Completed" [ "$bphase" = Completed ]
+du_field() { python3 -c 'import json,sys; d=[i for i in json.load(open(sys.argv[1]))["items"] if i["spec"]["sourcePVC"]==sys.argv[2]]; v=d[0] if d else {}
+for k in sys.argv[3].split("."): v=v.get(k, {}) if isinstance(v, dict) else {}
+print(v if v != {} else "")' "$W/datauploads.json" "$1" "$2"; }
+check "two DataUploads, one per claim" [ "$(python3 -c 'import json,sys; print(len(json.load(open(sys.argv[1]))["items"]))' "$W/datauploads.json")" = 2 ]
+for c in data logs; do
+  check "DataUpload of $c Completed" [ "$(du_field $c status.phase)" = Completed ]
+  check "DataUpload of $c accepted by and moved on $NODE" [ "$(du_field $c status.acceptedByNode)/$(du_field $c status.node)" = "$NODE/$NODE" ]
+  check "DataUpload of $c: bytesDone = totalBytes = ${expected[$c]}" [ "$(du_field $c status.progress.bytesDone)/$(du_field $c status.progress.totalBytes)" = "${expected[$c]}/${expected[$c]}" ]
+  check "DataUpload of $c has a snapshot ID and both timestamps" [ -n "$(du_field $c status.snapshotID)" ] && [ -n "$(du_field $c status.startTimestamp)" ] && [ -n "$(du_field $c status.completionTimestamp)" ]
+done
+left_objects() {
+  k -n "$VNS" get pods,pvc,volumesnapshots -o name 2>/dev/null | grep -v '^pod/node-agent-' || true
+  k get volumesnapshotcontents -o name 2>/dev/null || true
+  k -n "$APP" get volumesnapshots -o name 2>/dev/null || true
+}
+nothing_left() { [ -z "$(left_objects)" ]; }
+settle 60 nothing_left || true
+check "nothing exposed left (pods, claims, VolumeSnapshots, contents): $(left_objects | tr '\n' ' ')" nothing_left
+
+# The repository where Velero's own data mover would look (a read-only connection of our own).
+repo_password=$(k -n "$VNS" get secret velero-repo-credentials -o jsonpath='{.data.repository-password}' | base64 -d)
+d=$W/check; mkdir -p "$d"
+kenv=(env -i PATH="$PATH" HOME="$d" KOPIA_PASSWORD="$repo_password" KOPIA_CHECK_FOR_UPDATES=false
+  KOPIA_LOG_DIR="$d/logs" SSL_CERT_FILE="$W/store/bundle.pem" STORAGE_EMULATOR_HOST="$emulator_host")
+if "${kenv[@]}" "$kopia" repository connect gcs --bucket "$BUCKET" --credentials-file "$W/cloud" --prefix "$PREFIX/kopia/$APP/" \
+  --config-file "$d/repository.config" --cache-directory "$d/cache" --override-username=default --override-hostname=default \
+  --readonly >"$d/connect.log" 2>&1 \
+  && "${kenv[@]}" "$kopia" snapshot list --all --json --config-file "$d/repository.config" >"$W/kopia-snapshots.json" 2>"$d/list.log"; then
+  for c in data logs; do
+    id=$(du_field $c status.snapshotID)
+    src=$(python3 -c 'import json,sys
+for s in json.load(open(sys.argv[1])):
+    if s["id"] == sys.argv[2]:
+        o = s["source"]; print("%s@%s:%s" % (o["userName"], o["host"], o["path"]))' "$W/kopia-snapshots.json" "$id")
+    check "snapshot $id of $c in the repository of $APP under Velero's data mover source ($src)" [ "$src" = "default@default:snapshot-data-upload-download/kopia/$APP/$c" ]
+  done
+else
+  fail "kopia repository connect/list ($PREFIX/kopia/$APP/): $(tail -n 3 "$d/connect.log" "$d/list.log" 2>/dev/null)"
+fi
+
+save_agent_log
+verr=$(grep -c 'level=error' "$W/velero-server.log" || true)
+echo "  velero server log: $(wc -l <"$W/velero-server.log") lines, $verr level=error"
+echo "== velero-datamover-smoke: Velero $VELERO_VERSION, $csi_versions, $emulator, kopia $uploader_version =="
+printf '%s\n' "${steps[@]}"
+if [ ${#failed[@]} -eq 0 ]; then
+  say "velero-datamover-smoke: every check passed"
+else
+  exit 1
+fi
+}
