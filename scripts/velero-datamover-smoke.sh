@@ -140,9 +140,8 @@ vel install --provider "$PROVIDER" --plugins "velero/$(basename "$plugin"):$plug
   || die "velero install failed: $(tail -n 20 "$W/velero-install.log")"
 k apply -k "$root/daemonset/" -l app.kubernetes.io/name=podvolume-agent >"$W/daemonset-apply.log" 2>&1 \
   || die "kubectl apply -k daemonset/ failed: $(cat "$W/daemonset-apply.log")"
-# What a cluster with this store needs of the agent's pod, and nothing else: the account's name
-# resolved (Azure; DNS in production), or the emulator's address (GCS; no such variable in
-# production).
+# What the agent's pod needs for this store, and nothing else: the emulator's address (no such
+# variable in production).
 k -n "$VNS" set env daemonset/node-agent STORAGE_EMULATOR_HOST="$emulator_host" GOOGLE_ACCESS_TOKEN=emulator-needs-none >/dev/null
 wait_until 180 "the Ready pod of DaemonSet node-agent on $NODE" ds_pod_ready
 ds_pod=$(k -n "$VNS" get pods -l name=node-agent --field-selector "spec.nodeName=$NODE" -o jsonpath='{.items[0].metadata.name}')
@@ -163,7 +162,6 @@ server_env=(TMPDIR="$W/velero/tmp" HOME="$W/velero/home" VELERO_SCRATCH_DIR="$W/
   PATH="$W/velero/bin:$PATH")
 server_env+=(GOOGLE_APPLICATION_CREDENTIALS="$W/velero/credentials/cloud" STORAGE_EMULATOR_HOST="$emulator_host"
   SSL_CERT_FILE="$W/store/bundle.pem" GOOGLE_ACCESS_TOKEN=emulator-needs-none)
-wrap=()
 start_group velero-server 5 "$W/velero-server.log" env "${server_env[@]}" \
   "$velero" server --features=EnableCSI --uploader-type="$UPLOADER" --kubeconfig "$W/velero-sa.kubeconfig" --namespace "$VNS" \
   --plugin-dir "$W/velero/plugins" --metrics-address "127.0.0.1:$(free_port)" --profiler-address= --log-level info

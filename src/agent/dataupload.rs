@@ -275,8 +275,7 @@ async fn cancel_unstarted(ctx: &Context, du: &DataUpload, message: &str) {
 
 async fn fail_unstarted(ctx: &Context, du: &DataUpload, message: String) {
     tracing::warn!("{message}");
-    let status = json!({"phase": Phase::Failed.as_str(), "message": message});
-    end_unstarted(ctx, du, status).await;
+    end_unstarted(ctx, du, failed(message)).await;
 }
 
 fn failed(message: String) -> Value {
@@ -290,15 +289,17 @@ async fn run(ctx: Arc<Context>, du: DataUpload, token: CancellationToken) {
     let span = tracing::info_span!("data_upload", namespace = %du.namespace().unwrap_or_default(), name = %du.name_any(), uid = %uid, node = %ctx.args.node_name);
     async {
         let started = Instant::now();
+        let not_started = |reason| {
+            format!(
+                "{} before the data movement started",
+                transfer::reason_text(&ctx, &uid, reason)
+            )
+        };
         let mut w = writer(&ctx, &du);
         let du = match transfer::gate(&ctx, &mut w, &du, &token, started, failed).await {
             Gate::Start(d) => d,
             Gate::CancelBeforeStart(d, reason) => {
-                let message = format!(
-                    "{} before the data movement started",
-                    transfer::reason_text(&ctx, &uid, reason)
-                );
-                return cancel_unstarted(&ctx, &d, &message).await;
+                return cancel_unstarted(&ctx, &d, &not_started(reason)).await;
             }
             Gate::Stop => return,
         };
@@ -316,11 +317,7 @@ async fn run(ctx: Arc<Context>, du: DataUpload, token: CancellationToken) {
         match transfer::mark_in_progress(&ctx, &mut w, &du, &token, status).await {
             Gate::Start(()) => {}
             Gate::CancelBeforeStart((), reason) => {
-                let message = format!(
-                    "{} before the data movement started",
-                    transfer::reason_text(&ctx, &uid, reason)
-                );
-                return cancel_unstarted(&ctx, &du, &message).await;
+                return cancel_unstarted(&ctx, &du, &not_started(reason)).await;
             }
             Gate::Stop => return,
         }
