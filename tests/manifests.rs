@@ -998,6 +998,9 @@ const NEEDS: &[(Scope, &str, &str, &str, Option<&str>)] = &[
     (Scope::Cluster, "", "persistentvolumeclaims", "get", None),
     (Scope::Cluster, "", "persistentvolumes", "get", None),
     (Scope::Cluster, "", "persistentvolumes", "patch", None),
+    (Scope::Cluster, "", "persistentvolumes", "delete", None),
+    (Scope::Cluster, "", "persistentvolumeclaims", "patch", None),
+    (Scope::Cluster, "storage.k8s.io", "storageclasses", "get", None),
     (
         Scope::Cluster,
         "snapshot.storage.k8s.io",
@@ -1058,6 +1061,10 @@ const NEEDS: &[(Scope, &str, &str, &str, Option<&str>)] = &[
     (Scope::Namespace, "velero.io", "datauploads", "list", None),
     (Scope::Namespace, "velero.io", "datauploads", "watch", None),
     (Scope::Namespace, "velero.io", "datauploads", "patch", None),
+    (Scope::Namespace, "velero.io", "datadownloads", "get", None),
+    (Scope::Namespace, "velero.io", "datadownloads", "list", None),
+    (Scope::Namespace, "velero.io", "datadownloads", "watch", None),
+    (Scope::Namespace, "velero.io", "datadownloads", "patch", None),
     (
         Scope::Namespace,
         "",

@@ -8,12 +8,11 @@ use kube::{Api, ResourceExt};
 
 use super::Context;
 use super::expose::ExposeSettings;
-use crate::datamover::DataUpload;
 
 /// The agent's DaemonSet, whose pod template the hold pod takes its image and tolerations from.
 pub const DAEMONSET: &str = "node-agent";
 
-pub async fn expose_settings(ctx: &Context, _du: &DataUpload) -> Result<ExposeSettings, String> {
+pub async fn expose_settings(ctx: &Context) -> Result<ExposeSettings, String> {
     let mut settings = ExposeSettings::default();
     let ns = &ctx.args.namespace;
     let api: Api<DaemonSet> = Api::namespaced(ctx.client.clone(), ns);
@@ -51,7 +50,7 @@ pub async fn expose_settings(ctx: &Context, _du: &DataUpload) -> Result<ExposeSe
 }
 
 /// What the hold pod and its claim say, for a prepare that timed out.
-pub async fn why_not_running(ctx: &Context, du: &DataUpload) -> String {
+pub async fn why_not_running<K: ResourceExt>(ctx: &Context, du: &K) -> String {
     let ns = du.namespace().unwrap_or_default();
     let name = du.name_any();
     let mut parts = Vec::new();

@@ -56,6 +56,9 @@ pub struct ExposeSettings {
     pub resources: Option<Value>,
     /// Copied from the agent's DaemonSet, as Velero's exposer copies the node agent's.
     pub tolerations: Option<Value>,
+    /// Restores: make the volume without waiting for the target claim's consumer to be
+    /// scheduled (ConfigMap `restorePVC.ignoreDelayBinding`).
+    pub ignore_delay_binding: bool,
 }
 
 fn ar(kind: &str, plural: &str) -> ApiResource {
@@ -76,7 +79,7 @@ fn contents(client: &Client) -> Api<DynamicObject> {
     )
 }
 
-fn is_code(e: &kube::Error, code: u16) -> bool {
+pub(super) fn is_code(e: &kube::Error, code: u16) -> bool {
     matches!(e, kube::Error::Api(s) if s.code == code)
 }
 
@@ -260,41 +263,109 @@ pub async fn expose(
         .map_err(|e| format!("the backup claim: {e}"))?,
     )
     .await?;
-    let mut labels = settings.pod_labels.clone();
-    labels.insert(HOLD_LABEL.to_string(), name.clone());
     let pods: Api<Pod> = Api::namespaced(client.clone(), &velero_ns);
     create_or_get(
         &pods,
-        serde_json::from_value(json!({
-            "metadata": {"name": name, "namespace": velero_ns, "ownerReferences": owner,
-                "labels": labels, "annotations": settings.pod_annotations},
-            "spec": {
-                "containers": [{
-                    "name": HOLD_VOLUME,
-                    "image": settings.image,
-                    "imagePullPolicy": "IfNotPresent",
-                    "args": ["hold"],
-                    "volumeMounts": [{"name": HOLD_VOLUME, "mountPath": "/snapshot", "readOnly": true}],
-                    "resources": settings.resources.clone().unwrap_or(json!({})),
-                    "securityContext": {"allowPrivilegeEscalation": false, "readOnlyRootFilesystem": true,
-                        "capabilities": {"drop": ["ALL"]}},
-                }],
-                "volumes": [{"name": HOLD_VOLUME, "persistentVolumeClaim": {"claimName": name, "readOnly": settings.read_only}}],
-                "restartPolicy": "Never",
-                "terminationGracePeriodSeconds": 0,
-                "automountServiceAccountToken": false,
-                "enableServiceLinks": false,
-                "priorityClassName": settings.priority_class_name,
-                "affinity": settings.affinity,
-                "tolerations": settings.tolerations,
-                "os": {"name": "linux"},
-                "nodeSelector": {"kubernetes.io/os": "linux"},
-            },
-        }))
-        .map_err(|e| format!("the hold pod: {e}"))?,
+        hold_pod_object(&name, &velero_ns, owner, settings, settings.read_only, None)?,
     )
     .await?;
     Ok(())
+}
+
+/// The pod that keeps an exposed claim (named `name` too) mounted on whatever node runs it: its
+/// container only sleeps (`podvolume-agent hold`), the agent of that node does the work. No
+/// service account token, no capabilities, no writable root. `node` pins it to a node (a
+/// restore into a claim whose volume must be made where its consumer runs).
+pub fn hold_pod_object(
+    name: &str,
+    ns: &str,
+    owner: Value,
+    settings: &ExposeSettings,
+    read_only: bool,
+    node: Option<&str>,
+) -> Result<Pod, String> {
+    let mut labels = settings.pod_labels.clone();
+    labels.insert(HOLD_LABEL.to_string(), name.to_string());
+    let mut node_selector = json!({"kubernetes.io/os": "linux"});
+    let mut affinity = settings.affinity.clone();
+    if let Some(n) = node {
+        node_selector["kubernetes.io/hostname"] = json!(n);
+        // The node is chosen already; the ConfigMap's loadAffinity would only contradict it
+        // (Velero's restore exposer drops it too).
+        affinity = None;
+    }
+    serde_json::from_value(json!({
+        "metadata": {"name": name, "namespace": ns, "ownerReferences": owner,
+            "labels": labels, "annotations": settings.pod_annotations},
+        "spec": {
+            "containers": [{
+                "name": HOLD_VOLUME,
+                "image": settings.image,
+                "imagePullPolicy": "IfNotPresent",
+                "args": ["hold"],
+                "volumeMounts": [{"name": HOLD_VOLUME, "mountPath": "/snapshot", "readOnly": read_only}],
+                "resources": settings.resources.clone().unwrap_or(json!({})),
+                "securityContext": {"allowPrivilegeEscalation": false, "readOnlyRootFilesystem": true,
+                    "capabilities": {"drop": ["ALL"]}},
+            }],
+            "volumes": [{"name": HOLD_VOLUME, "persistentVolumeClaim": {"claimName": name, "readOnly": read_only}}],
+            "restartPolicy": "Never",
+            "terminationGracePeriodSeconds": 0,
+            "automountServiceAccountToken": false,
+            "enableServiceLinks": false,
+            "priorityClassName": settings.priority_class_name,
+            "affinity": affinity,
+            "tolerations": settings.tolerations,
+            "os": {"name": "linux"},
+            "nodeSelector": node_selector,
+        },
+    }))
+    .map_err(|e| format!("the hold pod: {e}"))
+}
+
+/// Deletes a hold pod and the claim it holds (both named `name`), and the claim's volume with it
+/// whatever its class's reclaim policy says. Best effort, each step logged.
+pub async fn delete_hold(client: &Client, ns: &str, name: &str) {
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    let dp = DeleteParams {
+        grace_period_seconds: Some(0),
+        ..DeleteParams::background()
+    };
+    if let Err(e) = pods.delete(name, &dp).await
+        && !is_code(&e, 404)
+    {
+        tracing::warn!(error = %e, "cannot delete the hold pod {ns}/{name}");
+    }
+    let pvcs: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), ns);
+    match pvcs.get_opt(name).await {
+        Ok(Some(pvc)) => {
+            if let Some(pv) = pvc
+                .spec
+                .and_then(|s| s.volume_name)
+                .filter(|v| !v.is_empty())
+            {
+                let pvs: Api<PersistentVolume> = Api::all(client.clone());
+                if let Err(e) = pvs
+                    .patch(
+                        &pv,
+                        &PatchParams::default(),
+                        &Patch::Merge(json!({"spec": {"persistentVolumeReclaimPolicy": "Delete"}})),
+                    )
+                    .await
+                    && !is_code(&e, 404)
+                {
+                    tracing::warn!(error = %e, "cannot set the reclaim policy of volume {pv}");
+                }
+            }
+            // The claim goes once the pod is gone; a snapshot it was made from must outlive it
+            // (Velero's order), so wait for it a little.
+            if let Err(e) = delete_and_wait(&pvcs, name, Duration::from_secs(60)).await {
+                tracing::warn!("claim {ns}/{name}: {e}");
+            }
+        }
+        Ok(None) => {}
+        Err(e) => tracing::warn!(error = %e, "cannot read the claim {ns}/{name}"),
+    }
 }
 
 async fn wait_ready(
@@ -330,7 +401,7 @@ async fn wait_ready(
 }
 
 /// Creates `obj`, or takes the one of that name made by an earlier attempt.
-async fn create_or_get<K>(api: &Api<K>, obj: K) -> Result<K, String>
+pub(super) async fn create_or_get<K>(api: &Api<K>, obj: K) -> Result<K, String>
 where
     K: kube::Resource + Clone + serde::de::DeserializeOwned + serde::Serialize + std::fmt::Debug,
 {
@@ -345,7 +416,11 @@ where
     }
 }
 
-async fn delete_and_wait<K>(api: &Api<K>, name: &str, within: Duration) -> Result<(), String>
+pub(super) async fn delete_and_wait<K>(
+    api: &Api<K>,
+    name: &str,
+    within: Duration,
+) -> Result<(), String>
 where
     K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
 {
@@ -369,10 +444,13 @@ where
     }
 }
 
-/// The hold pod of a DataUpload, if it exists.
-pub async fn hold_pod(client: &Client, du: &DataUpload) -> Result<Option<Pod>, kube::Error> {
-    let pods: Api<Pod> = Api::namespaced(client.clone(), &du.namespace().unwrap_or_default());
-    pods.get_opt(&du.name_any()).await
+/// The hold pod of a DataUpload or DataDownload (named after it), if it exists.
+pub async fn hold_pod<K: ResourceExt>(
+    client: &Client,
+    obj: &K,
+) -> Result<Option<Pod>, kube::Error> {
+    let pods: Api<Pod> = Api::namespaced(client.clone(), &obj.namespace().unwrap_or_default());
+    pods.get_opt(&obj.name_any()).await
 }
 
 /// Why a hold pod will never run, when it will not (failed, evicted, its image not pullable,
@@ -422,52 +500,7 @@ pub fn unrecoverable(pod: &Pod) -> Option<String> {
 pub async fn clean_up(client: &Client, du: &DataUpload) {
     let ns = du.namespace().unwrap_or_default();
     let name = du.name_any();
-    let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
-    let dp = DeleteParams {
-        grace_period_seconds: Some(0),
-        ..DeleteParams::background()
-    };
-    if let Err(e) = pods.delete(&name, &dp).await
-        && !is_code(&e, 404)
-    {
-        tracing::warn!(error = %e, "cannot delete the hold pod {ns}/{name}");
-    }
-    let pvcs: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), &ns);
-    match pvcs.get_opt(&name).await {
-        Ok(Some(pvc)) => {
-            // The volume goes with the claim whatever its class's reclaim policy says.
-            if let Some(pv) = pvc
-                .spec
-                .and_then(|s| s.volume_name)
-                .filter(|v| !v.is_empty())
-            {
-                let pvs: Api<PersistentVolume> = Api::all(client.clone());
-                if let Err(e) = pvs
-                    .patch(
-                        &pv,
-                        &PatchParams::default(),
-                        &Patch::Merge(json!({"spec": {"persistentVolumeReclaimPolicy": "Delete"}})),
-                    )
-                    .await
-                    && !is_code(&e, 404)
-                {
-                    tracing::warn!(error = %e, "cannot set the reclaim policy of volume {pv}");
-                }
-            }
-            if let Err(e) = pvcs.delete(&name, &DeleteParams::background()).await
-                && !is_code(&e, 404)
-            {
-                tracing::warn!(error = %e, "cannot delete the claim {ns}/{name}");
-            }
-            // The claim goes once the pod is gone; our snapshot must outlive the claim made
-            // from it (Velero's order), so wait for it a little.
-            if let Err(e) = delete_and_wait(&pvcs, &name, Duration::from_secs(60)).await {
-                tracing::warn!("claim {ns}/{name}: {e}");
-            }
-        }
-        Ok(None) => {}
-        Err(e) => tracing::warn!(error = %e, "cannot read the claim {ns}/{name}"),
-    }
+    delete_hold(client, &ns, &name).await;
     if let Err(e) = snapshots(client, &ns)
         .delete(&name, &DeleteParams::background())
         .await

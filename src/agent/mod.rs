@@ -8,17 +8,20 @@
 
 pub mod admin;
 pub mod backup;
+pub mod datadownload;
 pub mod datamover_config;
 pub mod dataupload;
 pub mod expose;
 pub mod kopia_repository;
 pub mod metrics;
+pub mod movement;
 pub mod opsapi;
 pub mod owner;
 pub mod phases;
 pub mod reconcile;
 pub mod registry;
 pub mod restore;
+pub mod restore_expose;
 pub mod state;
 pub mod status;
 pub mod storage;
@@ -77,8 +80,9 @@ pub struct Context {
     pub pvb_phases: Arc<phases::KindPhases>,
     pub pvr_phases: Arc<phases::KindPhases>,
     pub du_phases: Arc<phases::KindPhases>,
+    pub dd_phases: Arc<phases::KindPhases>,
     /// The DataUpload exposures this node runs.
-    pub exposing: dataupload::Exposing,
+    pub exposing: movement::Exposing,
 }
 
 /// How long finished operations stay visible in the operations API.
@@ -667,17 +671,23 @@ pub async fn run(args: RunArgs) -> i32 {
     let (pvr_controller, _pvr_store) =
         controller_for(pvrs, pvr_synced.clone(), |_: &PodVolumeRestore| true);
     let du_synced = Arc::new(AtomicBool::new(false));
-    let du_controller = if data_movement_served(&client).await {
-        let dus = Api::namespaced(client.clone(), &args.namespace);
-        let (c, _store) = controller_for(
-            dus,
+    let dd_synced = Arc::new(AtomicBool::new(false));
+    let (du_controller, dd_controller) = if data_movement_served(&client).await {
+        let (du, _) = controller_for(
+            Api::namespaced(client.clone(), &args.namespace),
             du_synced.clone(),
             |_: &crate::datamover::DataUpload| true,
         );
-        Some(c)
+        let (dd, _) = controller_for(
+            Api::namespaced(client.clone(), &args.namespace),
+            dd_synced.clone(),
+            |_: &crate::datamover::DataDownload| true,
+        );
+        (Some(du), Some(dd))
     } else {
         du_synced.store(true, Ordering::SeqCst);
-        None
+        dd_synced.store(true, Ordering::SeqCst);
+        (None, None)
     };
     let reporter = Reporter {
         controller: "podvolume-agent".into(),
@@ -701,7 +711,8 @@ pub async fn run(args: RunArgs) -> i32 {
         pvb_phases,
         pvr_phases,
         du_phases: Arc::new(phases::KindPhases::new("DataUpload")),
-        exposing: dataupload::Exposing::default(),
+        dd_phases: Arc::new(phases::KindPhases::new("DataDownload")),
+        exposing: movement::Exposing::default(),
         args: args.clone(),
     });
     let _ = admin_state.ops.set(ctx.clone());
@@ -711,7 +722,8 @@ pub async fn run(args: RunArgs) -> i32 {
         tokio::spawn(async move {
             while !(pvb_synced.load(Ordering::SeqCst)
                 && pvr_synced.load(Ordering::SeqCst)
-                && du_synced.load(Ordering::SeqCst))
+                && du_synced.load(Ordering::SeqCst)
+                && dd_synced.load(Ordering::SeqCst))
             {
                 tokio::time::sleep(Duration::from_millis(50)).await;
             }
@@ -736,18 +748,28 @@ pub async fn run(args: RunArgs) -> i32 {
         .graceful_shutdown_on(shutdown.clone().cancelled_owned())
         .run(restore::reconcile, error_policy, ctx.clone())
         .for_each(log_controller_result);
-    // Every node sees every DataUpload of the built-in mover: any may claim a New one.
+    // Every node sees every DataUpload and DataDownload of the built-in mover: any may claim a
+    // New one.
     let du_run = async {
         if let Some(controller) = du_controller {
             controller
                 .graceful_shutdown_on(shutdown.clone().cancelled_owned())
-                .run(dataupload::reconcile, error_policy, ctx.clone())
+                .run(movement::reconcile, error_policy, ctx.clone())
+                .for_each(log_controller_result)
+                .await;
+        }
+    };
+    let dd_run = async {
+        if let Some(controller) = dd_controller {
+            controller
+                .graceful_shutdown_on(shutdown.clone().cancelled_owned())
+                .run(movement::reconcile, error_policy, ctx.clone())
                 .for_each(log_controller_result)
                 .await;
         }
     };
     tracing::info!(node = %args.node_name, namespace = %args.namespace, "node agent started");
-    futures::join!(pvb_run, pvr_run, du_run);
+    futures::join!(pvb_run, pvr_run, du_run, dd_run);
     for w in crd_watches {
         w.abort();
     }

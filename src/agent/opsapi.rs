@@ -355,6 +355,7 @@ fn resource_of(kind: OperationKind) -> &'static str {
         OperationKind::Backup => "podvolumebackups",
         OperationKind::Restore => "podvolumerestores",
         OperationKind::DataUpload => "datauploads",
+        OperationKind::DataDownload => "datadownloads",
     }
 }
 
@@ -372,6 +373,7 @@ async fn list(State(s): State<OpsState>, headers: HeaderMap) -> Result<Response,
         OperationKind::Backup,
         OperationKind::Restore,
         OperationKind::DataUpload,
+        OperationKind::DataDownload,
     ] {
         match s
             .authorize(&ctx, &caller, "list", resource_of(kind), &ns, "")
@@ -588,6 +590,11 @@ async fn set_spec_cancel(ctx: &Context, op: &OperationSummary) -> Result<(), kub
         }
         OperationKind::DataUpload => {
             let api: Api<crate::datamover::DataUpload> =
+                Api::namespaced(ctx.client.clone(), &op.namespace);
+            api.patch(&op.name, &pp, &patch).await.map(drop)
+        }
+        OperationKind::DataDownload => {
+            let api: Api<crate::datamover::DataDownload> =
                 Api::namespaced(ctx.client.clone(), &op.namespace);
             api.patch(&op.name, &pp, &patch).await.map(drop)
         }

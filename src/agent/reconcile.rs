@@ -72,6 +72,18 @@ impl Reconciled for crate::datamover::DataUpload {
     }
 }
 
+impl Reconciled for crate::datamover::DataDownload {
+    const OPERATION_KIND: OperationKind = OperationKind::DataDownload;
+    /// Its node (`status.node`) is written when it is Prepared, before it is queued.
+    const NODE_IN_STATUS: bool = false;
+    fn status_subresource(_ctx: &Context) -> bool {
+        false
+    }
+    fn phases(ctx: &Context) -> &Arc<KindPhases> {
+        &ctx.dd_phases
+    }
+}
+
 /// The writer of one object's status and finalizer.
 pub fn writer<K: Reconciled>(ctx: &Context, obj: &K) -> ObjectWriter<K> {
     let api: Api<K> = Api::namespaced(ctx.client.clone(), &obj.namespace().unwrap_or_default());

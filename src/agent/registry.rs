@@ -39,6 +39,8 @@ pub enum OperationKind {
     Restore,
     /// CSI snapshot data movement of a backup (a DataUpload).
     DataUpload,
+    /// CSI snapshot data movement of a restore (a DataDownload).
+    DataDownload,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]

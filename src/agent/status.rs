@@ -114,7 +114,15 @@ volume_object!(
     "DataUpload",
     "data_upload",
     super::owner::OwnerKind::Backup,
-    super::dataupload::FINALIZER,
+    super::movement::FINALIZER,
+    true
+);
+volume_object!(
+    crate::datamover::DataDownload,
+    "DataDownload",
+    "data_download",
+    super::owner::OwnerKind::Restore,
+    super::movement::FINALIZER,
     true
 );
 

@@ -115,6 +115,22 @@ impl WatchedKind for crate::datamover::DataUpload {
     }
 }
 
+impl WatchedKind for crate::datamover::DataDownload {
+    type Spec = crate::datamover::DataDownloadSpec;
+    type Status = crate::datamover::DataDownloadStatus;
+    /// As a DataUpload: any node may claim one of Velero's built-in mover.
+    fn may_be_ours(spec: &str) -> bool {
+        <crate::datamover::DataUpload as WatchedKind>::may_be_ours(spec)
+    }
+    fn assemble(metadata: ObjectMeta, spec: Self::Spec, status: Option<Self::Status>) -> Self {
+        crate::datamover::DataDownload {
+            metadata,
+            spec,
+            status,
+        }
+    }
+}
+
 /// One decoded object of a watch.
 #[derive(Clone, Debug)]
 pub enum Watched<K> {
