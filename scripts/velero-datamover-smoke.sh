@@ -10,7 +10,11 @@
 # Checks: every DataUpload Completed by the agent with exact bytes, a snapshot ID, its node and
 # timestamps; the Backup Completed; the snapshots in the repository of the source namespace under
 # Velero's data mover source (default@default:snapshot-data-upload-download/kopia/<ns>/<claim>);
-# nothing exposed left in the Velero namespace (pods, claims, VolumeSnapshots, contents).
+# nothing exposed left in the Velero namespace (pods, claims, VolumeSnapshots, contents). Then the
+# namespace deleted and `velero restore create`: every DataDownload Completed by the agent with
+# exact bytes, the Restore Completed, both claims bound to the restored volumes (Velero's
+# dynamic-pv-restore label) and byte-identical (tree sha256), the pod running again, nothing
+# exposed and no unbound volume left.
 #
 # Environment: VELERO_SMOKE_DIR, VELERO_SMOKE_KEEP, VELERO_SMOKE_TIMEOUT, PODVOLUME_IMAGE as
 # scripts/velero-smoke.sh.
@@ -205,7 +209,11 @@ rnd() { mkdir -p "$(dirname "$1")"; head -c "$2" /dev/urandom >"$1"; }
 d=$(voldir data); rnd "$d/db/table.bin" $((5 * 1024 * 1024 + 5)); rnd "$d/conf/app.conf" 4099
 d=$(voldir logs); rnd "$d/app.log" $((2 * 1024 * 1024 + 77)); rnd "$d/old/app.log.1" 77777
 bytes() { find "$1" -type f -printf '%s\n' | awk '{ s += $1 } END { print s + 0 }'; }
+# Every file's path, mode, size and content, in one sum per claim.
+tree_sum() { (cd "$1" && find . -mindepth 1 ! -name lost+found -printf '%p %y %m %s\n' | LC_ALL=C sort && \
+  find . -type f -print0 | LC_ALL=C sort -z | xargs -0 -r sha256sum) | sha256sum | cut -d' ' -f1; }
 declare -A expected=([data]=$(bytes "$(voldir data)") [logs]=$(bytes "$(voldir logs)"))
+declare -A sums=([data]=$(tree_sum "$(voldir data)") [logs]=$(tree_sum "$(voldir logs)"))
 echo "  bytes per claim: data=${expected[data]} logs=${expected[logs]}"
 step_end
 
@@ -257,6 +265,39 @@ for s in json.load(open(sys.argv[1])):
 else
   fail "kopia repository connect/list ($PREFIX/kopia/$APP/): $(tail -n 3 "$d/connect.log" "$d/list.log" 2>/dev/null)"
 fi
+
+# --- restore with data movement ------------------------------------------------------------------
+step_begin "namespace $APP deleted; velero restore create r1 --from-backup b1 --wait"
+k delete namespace "$APP" --wait=true --timeout=120s >/dev/null || die "namespace $APP not deleted"
+no_app_volumes() { [ -z "$(k get pv -o jsonpath="{range .items[?(@.spec.claimRef.namespace==\"$APP\")]}{.metadata.name} {end}")" ]; }
+wait_until 120 "the volumes of $APP deleted" no_app_volumes
+rrc=0; bounded "$W/restore-create.out" "${vel_cmd[@]}" restore create r1 --from-backup b1 --wait || rrc=$?
+step_end
+k -n "$VNS" get datadownloads -l velero.io/restore-name=r1 -o json >"$W/datadownloads.json"
+rphase=$(k -n "$VNS" get restore r1 -o jsonpath='{.status.phase}')
+echo "  Restore r1: $rphase; DataDownloads: $(k -n "$VNS" get datadownloads -l velero.io/restore-name=r1 -o jsonpath='{range .items[*]}{.spec.targetVolume.pvc}={.status.phase} node={.status.node} {.status.progress.bytesDone}/{.status.progress.totalBytes} {.status.message}; {end}')"
+check "velero restore create --wait returned 0" [ "$rrc" -eq 0 ]
+check "Restore r1 phase Completed" [ "$rphase" = Completed ]
+dd_field() { python3 -c 'import json,sys; d=[i for i in json.load(open(sys.argv[1]))["items"] if i["spec"]["targetVolume"]["pvc"]==sys.argv[2]]; v=d[0] if d else {}
+for k in sys.argv[3].split("."): v=v.get(k, {}) if isinstance(v, dict) else {}
+print(v if v != {} else "")' "$W/datadownloads.json" "$1" "$2"; }
+check "two DataDownloads, one per claim" [ "$(python3 -c 'import json,sys; print(len(json.load(open(sys.argv[1]))["items"]))' "$W/datadownloads.json")" = 2 ]
+wait_until 120 "pod writer Running again in $APP" running
+for c in data logs; do
+  check "DataDownload of $c Completed" [ "$(dd_field $c status.phase)" = Completed ]
+  check "DataDownload of $c accepted by and moved on $NODE" [ "$(dd_field $c status.acceptedByNode)/$(dd_field $c status.node)" = "$NODE/$NODE" ]
+  check "DataDownload of $c restored snapshot $(du_field $c status.snapshotID)" [ "$(dd_field $c spec.snapshotID)" = "$(du_field $c status.snapshotID)" ]
+  check "DataDownload of $c: bytesDone = ${expected[$c]}" [ "$(dd_field $c status.progress.bytesDone)" = "${expected[$c]}" ]
+  check "claim $c Bound to the restored volume, labelled for Velero's selector" \
+    [ "$(k -n "$APP" get pvc $c -o jsonpath='{.status.phase}')" = Bound ] && \
+    [ -n "$(k get pv "$(k -n "$APP" get pvc $c -o jsonpath='{.spec.volumeName}')" -o jsonpath='{.metadata.labels.velero\.io/dynamic-pv-restore}')" ]
+  got=$(tree_sum "$(voldir $c)" 2>/dev/null || echo none)
+  check "claim $c restored byte-identical (tree sha256 ${sums[$c]:0:16}...)" [ "$got" = "${sums[$c]}" ]
+done
+settle 60 nothing_left || true
+check "nothing exposed left after the restore: $(left_objects | tr '\n' ' ')" nothing_left
+released() { k get pv -o jsonpath='{range .items[?(@.status.phase!="Bound")]}{.metadata.name}={.status.phase} {end}'; }
+check "no volume left unbound: $(released)" [ -z "$(released)" ]
 
 save_agent_log
 verr=$(grep -c 'level=error' "$W/velero-server.log" || true)
