@@ -14,7 +14,9 @@
 # namespace deleted and `velero restore create`: every DataDownload Completed by the agent with
 # exact bytes, the Restore Completed, both claims bound to the restored volumes (Velero's
 # dynamic-pv-restore label) and byte-identical (tree sha256), the pod running again, nothing
-# exposed and no unbound volume left.
+# exposed and no unbound volume left. Then the faults: spec.cancel on an InProgress DataUpload
+# (Canceled, kopia stopped, nothing left, the Backup PartiallyFailed) and the agent's pod deleted
+# mid-transfer (its kopia stopped, the new pod runs the DataUpload again to Completed).
 #
 # Environment: VELERO_SMOKE_DIR, VELERO_SMOKE_KEEP, VELERO_SMOKE_TIMEOUT, PODVOLUME_IMAGE as
 # scripts/velero-smoke.sh.
@@ -208,7 +210,7 @@ voldir() { echo "/var/lib/kubelet/pods/$(k -n "$APP" get pod writer -o jsonpath=
 rnd() { mkdir -p "$(dirname "$1")"; head -c "$2" /dev/urandom >"$1"; }
 d=$(voldir data); rnd "$d/db/table.bin" $((5 * 1024 * 1024 + 5)); rnd "$d/conf/app.conf" 4099
 d=$(voldir logs); rnd "$d/app.log" $((2 * 1024 * 1024 + 77)); rnd "$d/old/app.log.1" 77777
-bytes() { find "$1" -type f -printf '%s\n' | awk '{ s += $1 } END { print s + 0 }'; }
+bytes() { find "$1" -type f -printf '%s\n' | python3 -c 'import sys; print(sum(int(l) for l in sys.stdin))'; }
 # Every file's path, mode, size and content, in one sum per claim.
 tree_sum() { (cd "$1" && find . -mindepth 1 ! -name lost+found -printf '%p %y %m %s\n' | LC_ALL=C sort && \
   find . -type f -print0 | LC_ALL=C sort -z | xargs -0 -r sha256sum) | sha256sum | cut -d' ' -f1; }
@@ -239,7 +241,7 @@ done
 left_objects() {
   k -n "$VNS" get pods,pvc,volumesnapshots -o name 2>/dev/null | grep -v '^pod/node-agent-' || true
   k get volumesnapshotcontents -o name 2>/dev/null || true
-  k -n "$APP" get volumesnapshots -o name 2>/dev/null || true
+  k get volumesnapshots -A -o name 2>/dev/null || true
 }
 nothing_left() { [ -z "$(left_objects)" ]; }
 settle 60 nothing_left || true
@@ -298,6 +300,95 @@ settle 60 nothing_left || true
 check "nothing exposed left after the restore: $(left_objects | tr '\n' ' ')" nothing_left
 released() { k get pv -o jsonpath='{range .items[?(@.status.phase!="Bound")]}{.metadata.name}={.status.phase} {end}'; }
 check "no volume left unbound: $(released)" [ -z "$(released)" ]
+
+# --- cancel and restart ------------------------------------------------------------------------
+# A claim with a 12 GiB sparse file: kopia reads its zeros for several seconds, long enough to be
+# seen InProgress and stopped. The cancel case runs first: a completed snapshot would let the
+# next backup of the same file finish at once (kopia's parent).
+step_begin "data movement stopped: spec.cancel on an InProgress DataUpload, then the agent's pod deleted mid-transfer"
+BIG=dm-big
+k create namespace "$BIG" >/dev/null
+k apply -f - >/dev/null <<YAML
+apiVersion: v1
+kind: PersistentVolumeClaim
+metadata: {name: big, namespace: $BIG}
+spec:
+  accessModes: [ReadWriteOnce]
+  storageClassName: podvolume-csi
+  resources: {requests: {storage: 16Gi}}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: writer, namespace: $BIG}
+spec:
+  terminationGracePeriodSeconds: 1
+  containers:
+  - {name: app, image: $WORKLOAD_IMAGE, command: [sleep, infinity], volumeMounts: [{name: big, mountPath: /big}]}
+  volumes: [{name: big, persistentVolumeClaim: {claimName: big}}]
+YAML
+big_running() { [ "$(k -n "$BIG" get pod writer -o jsonpath='{.status.phase}' 2>/dev/null)" = Running ]; }
+wait_until 120 "pod $BIG/writer Running" big_running
+bigdir="/var/lib/kubelet/pods/$(k -n "$BIG" get pod writer -o jsonpath='{.metadata.uid}')/volumes/kubernetes.io~csi/$(k -n "$BIG" get pvc big -o jsonpath='{.spec.volumeName}')/mount"
+truncate -s 12G "$bigdir/zeros.img"
+head -c 1000 /dev/urandom >"$bigdir/head.bin"
+big_bytes=$(bytes "$bigdir")
+du_of() { k -n "$VNS" get datauploads -l "velero.io/backup-name=$1" -o jsonpath="{.items[0].$2}" 2>/dev/null; }
+du_in_progress() { [ "$(du_of "$1" status.phase)" = InProgress ] && [ -n "$(pgrep -x kopia)" ]; }
+du_ended() { case "$(du_of "$1" status.phase)" in Completed | Failed | Canceled) return 0 ;; *) return 1 ;; esac; }
+backup_ended() { case "$(k -n "$VNS" get backup "$1" -o jsonpath='{.status.phase}' 2>/dev/null)" in Completed | PartiallyFailed | Failed) return 0 ;; *) return 1 ;; esac; }
+no_kopia() { [ -z "$(pgrep -x kopia)" ]; }
+
+# Cancel: what Velero's server does on an item-operation timeout or its own restart.
+"${vel_cmd[@]}" backup create b-cancel --include-namespaces "$BIG" --snapshot-move-data >/dev/null 2>&1 || die "velero backup create b-cancel failed"
+wait_until 180 "the DataUpload of b-cancel InProgress with kopia running" du_in_progress b-cancel
+kopia_pids=$(pgrep -x kopia | tr '\n' ' ')
+t0=$(date +%s.%N)
+k -n "$VNS" patch datauploads "$(du_of b-cancel metadata.name)" --type merge -p '{"spec":{"cancel":true}}' >/dev/null
+settle 60 du_ended b-cancel || true
+t1=$(date +%s.%N)
+settle 30 no_kopia || true
+cancel_s=$(python3 -c "print('%.1f' % ($t1 - $t0))")
+echo "  b-cancel: DataUpload $(du_of b-cancel status.phase) $cancel_s s after spec.cancel: $(du_of b-cancel status.message)"
+check "spec.cancel: the DataUpload ends Canceled" [ "$(du_of b-cancel status.phase)" = Canceled ]
+check "spec.cancel: kopia ($kopia_pids) stopped, no kopia left on the node" no_kopia
+settle 60 nothing_left || true
+check "spec.cancel: nothing exposed left: $(left_objects | tr '\n' ' ')" nothing_left
+settle 120 backup_ended b-cancel || true
+check "spec.cancel: Backup b-cancel ended PartiallyFailed (got $(k -n "$VNS" get backup b-cancel -o jsonpath='{.status.phase}'))" \
+  [ "$(k -n "$VNS" get backup b-cancel -o jsonpath='{.status.phase}')" = PartiallyFailed ]
+
+# Restart: the agent's pod deleted (SIGTERM) while it moves the data; the new pod runs it again.
+"${vel_cmd[@]}" backup create b-restart --include-namespaces "$BIG" --snapshot-move-data >/dev/null 2>&1 || die "velero backup create b-restart failed"
+wait_until 180 "the DataUpload of b-restart InProgress with kopia running" du_in_progress b-restart
+kopia_pids=$(pgrep -x kopia | tr '\n' ' ')
+old_pod=$ds_pod
+t0=$SECONDS
+k -n "$VNS" delete pod "$old_pod" --wait=false >/dev/null
+old_kopia_gone() { local p; for p in $kopia_pids; do [ -e "/proc/$p" ] && return 1; done; return 0; }
+settle 90 old_kopia_gone || true
+check "restart: the old pod's kopia ($kopia_pids) stopped with it" old_kopia_gone
+new_ready() {
+  local name
+  name=$(k -n "$VNS" get pods -l name=node-agent --field-selector "spec.nodeName=$NODE" \
+    -o jsonpath='{range .items[*]}{.metadata.name} {.status.conditions[?(@.type=="Ready")].status} {.metadata.deletionTimestamp}{"\n"}{end}' 2>/dev/null \
+    | awk -v old="$old_pod" '$1 != old && $2 == "True" && $3 == "" {print $1}')
+  [ -n "$name" ] && ds_pod=$name
+}
+wait_until 180 "a new Ready agent pod on $NODE" new_ready
+ds_uid=$(k -n "$VNS" get pod "$ds_pod" -o jsonpath='{.metadata.uid}')
+echo "  new agent pod $ds_pod Ready $((SECONDS - t0)) s after the old one was deleted"
+settle "$TIMEOUT" du_ended b-restart || true
+settle 120 backup_ended b-restart || true
+echo "  b-restart: DataUpload $(du_of b-restart status.phase), attempts $(du_of b-restart 'metadata.annotations.podvolume-agent\.io/attempts'), $(du_of b-restart status.progress.bytesDone)/$(du_of b-restart status.progress.totalBytes): $(du_of b-restart status.message)"
+check "restart: the DataUpload ran again (attempts 2) and Completed" \
+  [ "$(du_of b-restart status.phase)/$(du_of b-restart 'metadata.annotations.podvolume-agent\.io/attempts')" = Completed/2 ]
+check "restart: bytesDone = totalBytes = $big_bytes" \
+  [ "$(du_of b-restart status.progress.bytesDone)/$(du_of b-restart status.progress.totalBytes)" = "$big_bytes/$big_bytes" ]
+check "restart: Backup b-restart Completed" [ "$(k -n "$VNS" get backup b-restart -o jsonpath='{.status.phase}')" = Completed ]
+settle 60 nothing_left || true
+check "restart: nothing exposed left: $(left_objects | tr '\n' ' ')" nothing_left
+check "restart: no kopia left on the node" no_kopia
+step_end
 
 save_agent_log
 verr=$(grep -c 'level=error' "$W/velero-server.log" || true)
