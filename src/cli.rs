@@ -187,6 +187,12 @@ pub struct RunArgs {
     /// everything exposed for it removed; Velero's node agent's flag of the same name.
     #[arg(long, env = "DATA_MOVER_PREPARE_TIMEOUT", default_value = "30m", value_parser = parse_duration)]
     pub data_mover_prepare_timeout: Duration,
+    /// Velero's node-agent ConfigMap in the namespace (one data key of JSON), read at start:
+    /// `loadConcurrency` (transfers at once on this node, instead of `--concurrency`;
+    /// `prepareQueueLength`), `loadAffinity`, `backupPVC`, `restorePVC`, `podResources`,
+    /// `priorityClassName`, `podLabels`, `podAnnotations` for data movement's hold pods.
+    #[arg(long, env = "NODE_AGENT_CONFIGMAP")]
+    pub node_agent_configmap: Option<String>,
     /// The image of the pods that hold an exposed snapshot's volume mounted; by default the
     /// image of the agent's own DaemonSet (`node-agent` in the namespace).
     #[arg(long, env = "DATA_MOVER_IMAGE")]

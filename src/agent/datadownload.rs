@@ -47,7 +47,7 @@ impl Movement for DataDownload {
             dd,
             settings,
             within,
-            settings.ignore_delay_binding,
+            settings.config.ignore_delay_binding(),
         )
         .await
     }

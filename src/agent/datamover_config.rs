@@ -13,7 +13,20 @@ use super::expose::ExposeSettings;
 pub const DAEMONSET: &str = "node-agent";
 
 pub async fn expose_settings(ctx: &Context) -> Result<ExposeSettings, String> {
-    let mut settings = ExposeSettings::default();
+    let config = ctx.node_agent_config.clone();
+    let resources = config.resources().unwrap_or_else(|e| {
+        // Velero ignores the whole section then; so does the agent, saying why.
+        tracing::warn!("node-agent ConfigMap: {e}; podResources ignored");
+        None
+    });
+    let mut settings = ExposeSettings {
+        pod_labels: config.pod_labels.clone(),
+        pod_annotations: config.pod_annotations.clone(),
+        priority_class_name: Some(config.priority_class_name.clone()).filter(|p| !p.is_empty()),
+        resources,
+        config,
+        ..ExposeSettings::default()
+    };
     let ns = &ctx.args.namespace;
     let api: Api<DaemonSet> = Api::namespaced(ctx.client.clone(), ns);
     let ds = match api.get_opt(DAEMONSET).await {

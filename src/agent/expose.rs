@@ -43,22 +43,16 @@ pub const HOLD_VOLUME: &str = "snapshot";
 pub struct ExposeSettings {
     /// The image of the hold pod (the agent's own).
     pub image: String,
-    /// The backup claim's storage class, when not the source claim's (ConfigMap `backupPVC`).
-    pub storage_class: Option<String>,
-    pub read_only: bool,
-    pub pvc_annotations: BTreeMap<String, String>,
     pub pod_labels: BTreeMap<String, String>,
     pub pod_annotations: BTreeMap<String, String>,
     pub priority_class_name: Option<String>,
-    /// `spec.affinity` of the hold pod (ConfigMap `loadAffinity`), as JSON.
-    pub affinity: Option<Value>,
     /// `resources` of the hold pod's container (ConfigMap `podResources`), as JSON.
     pub resources: Option<Value>,
     /// Copied from the agent's DaemonSet, as Velero's exposer copies the node agent's.
     pub tolerations: Option<Value>,
-    /// Restores: make the volume without waiting for the target claim's consumer to be
-    /// scheduled (ConfigMap `restorePVC.ignoreDelayBinding`).
-    pub ignore_delay_binding: bool,
+    /// Velero's node-agent ConfigMap: the rules that depend on the claim's storage class
+    /// (`loadAffinity`, `backupPVC`) and `restorePVC`.
+    pub config: std::sync::Arc<super::node_agent_config::NodeAgentConfigs>,
 }
 
 fn ar(kind: &str, plural: &str) -> ApiResource {
@@ -242,18 +236,25 @@ pub async fn expose(
         "apiVersion": "velero.io/v2alpha1", "kind": "DataUpload", "name": name,
         "uid": du.metadata.uid, "controller": true,
     }]);
-    let storage_class = settings
-        .storage_class
-        .clone()
-        .unwrap_or(source.storage_class);
+    // ConfigMap backupPVC, keyed by the source claim's class: another class for the claim made
+    // from the snapshot (one that clones fast, say), a read-only mount, annotations.
+    let rule = settings
+        .config
+        .backup_pvc(&source.storage_class)
+        .cloned()
+        .unwrap_or_default();
+    let read_only = rule.read_only;
+    let storage_class = Some(rule.storage_class)
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| source.storage_class.clone());
     let pvcs: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), &velero_ns);
     create_or_get(
         &pvcs,
         serde_json::from_value(json!({
             "metadata": {"name": name, "namespace": velero_ns, "ownerReferences": owner,
-                "annotations": settings.pvc_annotations},
+                "annotations": rule.annotations},
             "spec": {
-                "accessModes": [if settings.read_only { "ReadOnlyMany" } else { "ReadWriteOnce" }],
+                "accessModes": [if read_only { "ReadOnlyMany" } else { "ReadWriteOnce" }],
                 "storageClassName": storage_class,
                 "volumeMode": "Filesystem",
                 "dataSource": {"apiGroup": "snapshot.storage.k8s.io", "kind": "VolumeSnapshot", "name": name},
@@ -266,7 +267,15 @@ pub async fn expose(
     let pods: Api<Pod> = Api::namespaced(client.clone(), &velero_ns);
     create_or_get(
         &pods,
-        hold_pod_object(&name, &velero_ns, owner, settings, settings.read_only, None)?,
+        hold_pod_object(
+            &name,
+            &velero_ns,
+            owner,
+            settings,
+            read_only,
+            settings.config.affinity(&source.storage_class),
+            None,
+        )?,
     )
     .await?;
     Ok(())
@@ -274,20 +283,21 @@ pub async fn expose(
 
 /// The pod that keeps an exposed claim (named `name` too) mounted on whatever node runs it: its
 /// container only sleeps (`podvolume-agent hold`), the agent of that node does the work. No
-/// service account token, no capabilities, no writable root. `node` pins it to a node (a
-/// restore into a claim whose volume must be made where its consumer runs).
+/// service account token, no capabilities, no writable root. `affinity` is the ConfigMap's
+/// `loadAffinity` for the claim's class; `node` pins it to a node instead (a restore into a
+/// claim whose volume must be made where its consumer runs).
 pub fn hold_pod_object(
     name: &str,
     ns: &str,
     owner: Value,
     settings: &ExposeSettings,
     read_only: bool,
+    mut affinity: Option<Value>,
     node: Option<&str>,
 ) -> Result<Pod, String> {
     let mut labels = settings.pod_labels.clone();
     labels.insert(HOLD_LABEL.to_string(), name.to_string());
     let mut node_selector = json!({"kubernetes.io/os": "linux"});
-    let mut affinity = settings.affinity.clone();
     if let Some(n) = node {
         node_selector["kubernetes.io/hostname"] = json!(n);
         // The node is chosen already; the ConfigMap's loadAffinity would only contradict it

@@ -15,6 +15,7 @@ pub mod expose;
 pub mod kopia_repository;
 pub mod metrics;
 pub mod movement;
+pub mod node_agent_config;
 pub mod opsapi;
 pub mod owner;
 pub mod phases;
@@ -81,8 +82,16 @@ pub struct Context {
     pub pvr_phases: Arc<phases::KindPhases>,
     pub du_phases: Arc<phases::KindPhases>,
     pub dd_phases: Arc<phases::KindPhases>,
-    /// The DataUpload exposures this node runs.
+    /// The DataUpload/DataDownload exposures this node runs.
     pub exposing: movement::Exposing,
+    /// Velero's node-agent ConfigMap (`--node-agent-configmap`), as read at start.
+    pub node_agent_config: Arc<node_agent_config::NodeAgentConfigs>,
+    /// Every DataUpload and DataDownload of the namespace (the watches' caches), to count the
+    /// exposures in flight against `prepareQueueLength`.
+    pub data_movements: Option<(
+        Store<crate::datamover::DataUpload>,
+        Store<crate::datamover::DataDownload>,
+    )>,
 }
 
 /// How long finished operations stay visible in the operations API.
@@ -405,6 +414,61 @@ async fn discover(client: &Client, shutdown: &CancellationToken) -> Option<(bool
     }
 }
 
+/// Velero's node-agent ConfigMap, when `--node-agent-configmap` names one. One that cannot be
+/// read or is not valid is logged as an error and the defaults apply (Velero's node agent does
+/// the same); the start goes on.
+async fn read_node_agent_config(
+    client: &Client,
+    args: &RunArgs,
+) -> node_agent_config::NodeAgentConfigs {
+    let Some(name) = &args.node_agent_configmap else {
+        return Default::default();
+    };
+    let api: Api<k8s_openapi::api::core::v1::ConfigMap> =
+        Api::namespaced(client.clone(), &args.namespace);
+    let result = match api.get_opt(name).await {
+        Ok(Some(cm)) => {
+            node_agent_config::NodeAgentConfigs::from_data(name, &cm.data.unwrap_or_default())
+        }
+        Ok(None) => Err(format!(
+            "ConfigMap {}/{name} does not exist",
+            args.namespace
+        )),
+        Err(e) => Err(format!(
+            "cannot read ConfigMap {}/{name}: {e}",
+            args.namespace
+        )),
+    };
+    match result {
+        Ok(c) => {
+            tracing::info!(configmap = %name, ?c, "node-agent ConfigMap read");
+            for what in c.not_applicable() {
+                tracing::info!(configmap = %name, "not applicable to this agent: {what}");
+            }
+            c
+        }
+        Err(e) => {
+            tracing::error!(configmap = %name, "node-agent ConfigMap ignored, defaults apply: {e}");
+            Default::default()
+        }
+    }
+}
+
+/// This node's labels (for the ConfigMap's per-node rules); None when they cannot be read.
+async fn node_labels(
+    client: &Client,
+    node: &str,
+) -> Option<std::collections::BTreeMap<String, String>> {
+    let api: Api<k8s_openapi::api::core::v1::Node> = Api::all(client.clone());
+    match api.get(node).await {
+        Ok(n) => Some(n.metadata.labels.unwrap_or_default()),
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot read Node {node}: the ConfigMap's per-node rules are not applied");
+            None
+        }
+    }
+}
+
 /// Whether Velero's data mover kinds (velero.io/v2alpha1 DataUpload; Velero 1.12+) are served.
 /// Asked once at start; a cluster without them gets no DataUpload controller (logged).
 async fn data_movement_served(client: &Client) -> bool {
@@ -616,6 +680,18 @@ pub async fn run(args: RunArgs) -> i32 {
     let Some((pvb_sub, pvr_sub)) = discover(&client, &shutdown).await else {
         return 0;
     };
+    let node_agent_config = Arc::new(read_node_agent_config(&client, &args).await);
+    let concurrency = match node_labels(&client, &args.node_name).await {
+        Some(labels) => node_agent_config.concurrency(&labels),
+        None => None,
+    };
+    if let Some(n) = concurrency {
+        registry.set_concurrency(n);
+        tracing::info!(
+            concurrency = n,
+            "transfers at once on this node: the node-agent ConfigMap's loadConcurrency (not --concurrency)"
+        );
+    }
     let pvb_phases = Arc::new(phases::KindPhases::new("PodVolumeBackup"));
     let pvr_phases = Arc::new(phases::KindPhases::new("PodVolumeRestore"));
     let crd_watches = [
@@ -672,22 +748,22 @@ pub async fn run(args: RunArgs) -> i32 {
         controller_for(pvrs, pvr_synced.clone(), |_: &PodVolumeRestore| true);
     let du_synced = Arc::new(AtomicBool::new(false));
     let dd_synced = Arc::new(AtomicBool::new(false));
-    let (du_controller, dd_controller) = if data_movement_served(&client).await {
-        let (du, _) = controller_for(
+    let (du_controller, dd_controller, data_movements) = if data_movement_served(&client).await {
+        let (du, du_store) = controller_for(
             Api::namespaced(client.clone(), &args.namespace),
             du_synced.clone(),
             |_: &crate::datamover::DataUpload| true,
         );
-        let (dd, _) = controller_for(
+        let (dd, dd_store) = controller_for(
             Api::namespaced(client.clone(), &args.namespace),
             dd_synced.clone(),
             |_: &crate::datamover::DataDownload| true,
         );
-        (Some(du), Some(dd))
+        (Some(du), Some(dd), Some((du_store, dd_store)))
     } else {
         du_synced.store(true, Ordering::SeqCst);
         dd_synced.store(true, Ordering::SeqCst);
-        (None, None)
+        (None, None, None)
     };
     let reporter = Reporter {
         controller: "podvolume-agent".into(),
@@ -713,6 +789,8 @@ pub async fn run(args: RunArgs) -> i32 {
         du_phases: Arc::new(phases::KindPhases::new("DataUpload")),
         dd_phases: Arc::new(phases::KindPhases::new("DataDownload")),
         exposing: movement::Exposing::default(),
+        node_agent_config: node_agent_config.clone(),
+        data_movements,
         args: args.clone(),
     });
     let _ = admin_state.ops.set(ctx.clone());

@@ -24,7 +24,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::expose::{self, ExposeSettings};
 use super::reconcile::{self, Reconciled, writer};
-use super::status::{Finalizer, WriteError, now_rfc3339};
+use super::status::{Finalizer, VolumeObject, WriteError, now_rfc3339};
 use super::transfer::{self, end, event};
 use super::{Context, Error};
 use crate::crd::Phase;
@@ -87,6 +87,12 @@ pub async fn reconcile<K: Movement>(obj: Arc<K>, ctx: Arc<Context>) -> Result<Ac
                 cancel_unstarted(&ctx, &*obj, "canceled before it was accepted").await;
                 return Ok(Action::await_change());
             }
+            let limit = ctx.node_agent_config.prepare_queue_length();
+            if limit > 0 && exposures_in_flight(&ctx) >= limit {
+                // The ConfigMap's prepareQueueLength: no more exposures at once, cluster-wide.
+                tracing::debug!(limit, "prepare queue full; claimed later");
+                return Ok(Action::requeue(Duration::from_secs(5)));
+            }
             if let Some(o) = claim(&ctx, &*obj).await? {
                 start_expose(&ctx, o);
             }
@@ -130,6 +136,24 @@ pub async fn reconcile<K: Movement>(obj: Arc<K>, ctx: Arc<Context>) -> Result<Ac
             reconcile::saved_cancel_claim_submit(obj, ctx, K::run).await
         }
     }
+}
+
+/// DataUploads and DataDownloads of the built-in mover being exposed (Accepted or Prepared),
+/// cluster-wide, as the watches' caches see them.
+fn exposures_in_flight(ctx: &Context) -> usize {
+    let Some((dus, dds)) = &ctx.data_movements else {
+        return 0;
+    };
+    let exposing = |p: Phase| matches!(p, Phase::Accepted | Phase::Prepared);
+    dus.state()
+        .iter()
+        .filter(|o| crate::datamover::is_built_in(o.data_mover()) && exposing(o.phase()))
+        .count()
+        + dds
+            .state()
+            .iter()
+            .filter(|o| crate::datamover::is_built_in(o.data_mover()) && exposing(o.phase()))
+            .count()
 }
 
 fn prepare_age<K: Movement>(obj: &K) -> Option<Duration> {

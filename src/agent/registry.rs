@@ -98,7 +98,8 @@ struct Inner {
 #[derive(Clone)]
 pub struct Registry {
     inner: Arc<Mutex<Inner>>,
-    concurrency: usize,
+    /// Set at start from `--concurrency`, or from the node-agent ConfigMap once it is read.
+    concurrency: Arc<std::sync::atomic::AtomicUsize>,
     retention: Duration,
 }
 
@@ -118,9 +119,16 @@ impl Registry {
     pub fn new(concurrency: usize, retention: Duration) -> Self {
         Self {
             inner: Arc::default(),
-            concurrency: concurrency.max(1),
+            concurrency: Arc::new(concurrency.max(1).into()),
             retention,
         }
+    }
+
+    /// Changes how many run at once; queued ones start if slots became free.
+    pub fn set_concurrency(&self, concurrency: usize) {
+        self.concurrency
+            .store(concurrency.max(1), std::sync::atomic::Ordering::Relaxed);
+        self.dispatch();
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
@@ -183,7 +191,7 @@ impl Registry {
         loop {
             let (uid, job, token) = {
                 let mut inner = self.lock();
-                if inner.running >= self.concurrency {
+                if inner.running >= self.concurrency.load(std::sync::atomic::Ordering::Relaxed) {
                     return;
                 }
                 let Some(((_, uid), job)) = inner.queue.pop_first() else {

@@ -161,7 +161,17 @@ pub async fn expose(
     let pods: Api<Pod> = Api::namespaced(client.clone(), &velero_ns);
     create_or_get(
         &pods,
-        hold_pod_object(&name, &velero_ns, owner, settings, false, node.as_deref())?,
+        hold_pod_object(
+            &name,
+            &velero_ns,
+            owner,
+            settings,
+            false,
+            settings
+                .config
+                .affinity(spec.storage_class_name.as_deref().unwrap_or_default()),
+            node.as_deref(),
+        )?,
     )
     .await?;
     Ok(())
