@@ -148,7 +148,15 @@ k apply -k "$root/daemonset/" -l app.kubernetes.io/name=podvolume-agent >"$W/dae
   || die "kubectl apply -k daemonset/ failed: $(cat "$W/daemonset-apply.log")"
 # What the agent's pod needs for this store, and nothing else: the emulator's address (no such
 # variable in production).
-k -n "$VNS" set env daemonset/node-agent STORAGE_EMULATOR_HOST="$emulator_host" GOOGLE_ACCESS_TOKEN=emulator-needs-none >/dev/null
+# Velero's node-agent ConfigMap, as a user of Velero's node agent has one: a per-node
+# loadConcurrency rule, the data-movement pods' labels, annotations, resources and affinity.
+k -n "$VNS" create configmap node-agent-config --from-literal=node-agent-config.json='{
+  "loadConcurrency": {"globalConfig": 1, "perNodeConfig": [{"nodeSelector": {"matchLabels": {"kubernetes.io/hostname": "'"$NODE"'"}}, "number": 2}]},
+  "loadAffinity": [{"nodeSelector": {"matchLabels": {"kubernetes.io/os": "linux"}}}],
+  "podLabels": {"team": "storage"}, "podAnnotations": {"podvolume-test/by": "configmap"},
+  "podResources": {"cpuRequest": "10m", "memoryLimit": "256Mi"}}' >/dev/null
+k -n "$VNS" set env daemonset/node-agent STORAGE_EMULATOR_HOST="$emulator_host" GOOGLE_ACCESS_TOKEN=emulator-needs-none \
+  NODE_AGENT_CONFIGMAP=node-agent-config >/dev/null
 wait_until 180 "the Ready pod of DaemonSet node-agent on $NODE" ds_pod_ready
 ds_pod=$(k -n "$VNS" get pods -l name=node-agent --field-selector "spec.nodeName=$NODE" -o jsonpath='{.items[0].metadata.name}')
 ds_uid=$(k -n "$VNS" get pod "$ds_pod" -o jsonpath='{.metadata.uid}')
@@ -342,6 +350,13 @@ no_kopia() { [ -z "$(pgrep -x kopia)" ]; }
 "${vel_cmd[@]}" backup create b-cancel --include-namespaces "$BIG" --snapshot-move-data >/dev/null 2>&1 || die "velero backup create b-cancel failed"
 wait_until 180 "the DataUpload of b-cancel InProgress with kopia running" du_in_progress b-cancel
 kopia_pids=$(pgrep -x kopia | tr '\n' ' ')
+hold=$(k -n "$VNS" get pod "$(du_of b-cancel metadata.name)" -o json 2>/dev/null || echo '{}')
+hold_field() { python3 -c 'import json,sys; v=json.loads(sys.argv[1])
+for k in sys.argv[2].split("."): v=(v[int(k)] if isinstance(v, list) else v.get(k, {})) if v != {} else {}
+print(v if v != {} else "")' "$hold" "$1"; }
+check "ConfigMap: the hold pod has podLabels, podAnnotations, podResources and loadAffinity" \
+  [ "$(hold_field metadata.labels.team)/$(hold_field metadata.annotations.podvolume-test/by)/$(hold_field spec.containers.0.resources.limits.memory)/$(hold_field spec.affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution.nodeSelectorTerms.0.matchExpressions.0.key)" \
+    = "storage/configmap/256Mi/kubernetes.io/os" ]
 t0=$(date +%s.%N)
 k -n "$VNS" patch datauploads "$(du_of b-cancel metadata.name)" --type merge -p '{"spec":{"cancel":true}}' >/dev/null
 settle 60 du_ended b-cancel || true
@@ -391,6 +406,7 @@ check "restart: no kopia left on the node" no_kopia
 step_end
 
 save_agent_log
+check "ConfigMap: the agent took loadConcurrency's rule for $NODE (2 at once)" grep -q 'concurrency.*2.*loadConcurrency\|loadConcurrency.*concurrency.*2' "$W/agent.log"
 verr=$(grep -c 'level=error' "$W/velero-server.log" || true)
 echo "  velero server log: $(wc -l <"$W/velero-server.log") lines, $verr level=error"
 echo "== velero-datamover-smoke: Velero $VELERO_VERSION, $csi_versions, $emulator, kopia $uploader_version =="
