@@ -18,7 +18,7 @@ use kube::Client;
 use serde_json::json;
 
 use cli::{CancelTarget, ListArgs, Measure, Output, PluginCli, PluginCommand, ShowArgs};
-use source::{CancelOutcome, Change};
+use source::{CancelOutcome, Change, Feed};
 use summary::{Item, Kind, Settings, Summary, Tracker, Volume};
 
 /// Runs one command; the process exit code.
@@ -67,7 +67,10 @@ pub struct View {
     pub settings: Settings,
     pub refresh: Duration,
     pub tracker: Tracker,
-    relisted: Option<HashSet<String>>,
+    /// Per feed, the uids a re-list under way has shown.
+    relisted: std::collections::HashMap<Feed, HashSet<String>>,
+    /// The feeds the API server serves (data movement: Velero 1.12+), found by `load`.
+    feeds: Vec<Feed>,
     pub last_error: Option<String>,
 }
 
@@ -87,7 +90,8 @@ impl View {
             settings: s,
             refresh,
             tracker: Tracker::new(kind, s),
-            relisted: None,
+            relisted: Default::default(),
+            feeds: Feed::ALL.to_vec(),
             last_error: None,
         }
     }
@@ -100,7 +104,12 @@ impl View {
                 let Some(v) = Volume::from_object(self.kind, &o) else {
                     return false;
                 };
-                if let Some(seen) = &mut self.relisted {
+                let feed = if v.moved {
+                    Feed::DataMovement
+                } else {
+                    Feed::PodVolumes
+                };
+                if let Some(seen) = self.relisted.get_mut(&feed) {
                     seen.insert(v.uid.clone());
                 }
                 self.tracker.observe(v, at)
@@ -108,14 +117,14 @@ impl View {
             Change::Deleted(o) => {
                 Volume::from_object(self.kind, &o).is_some_and(|v| self.tracker.remove(&v.uid))
             }
-            Change::RelistStart => {
-                self.relisted = Some(HashSet::new());
+            Change::RelistStart(feed) => {
+                self.relisted.insert(feed, HashSet::new());
                 false
             }
-            Change::RelistDone => {
+            Change::RelistDone(feed) => {
                 self.last_error = None;
-                match self.relisted.take() {
-                    Some(seen) => self.tracker.retain(&seen),
+                match self.relisted.remove(&feed) {
+                    Some(seen) => self.tracker.retain(feed == Feed::DataMovement, &seen),
                     None => false,
                 }
             }
@@ -140,27 +149,43 @@ impl View {
     }
 
     /// The current objects, read once (also how a command fails fast on missing access).
+    /// Data movement objects are read where the API server serves them (Velero 1.12+).
     async fn load(&mut self, client: &Client) -> Result<(), String> {
-        let api = source::api(client, self.kind, &self.namespace);
-        let objects = source::list(&api, self.kind, &self.selector).await?;
-        let now = SystemTime::now();
-        for o in objects {
-            self.apply(Change::Seen(o), now);
+        let mut feeds = Vec::new();
+        for feed in Feed::ALL {
+            let api = source::api(client, self.kind, feed, &self.namespace);
+            let objects = match source::list(&api, self.kind, feed, &self.selector).await {
+                Ok(o) => o,
+                Err(e) if feed == Feed::DataMovement && source::not_served(&e) => continue,
+                Err(e) => return Err(e),
+            };
+            feeds.push(feed);
+            let now = SystemTime::now();
+            for o in objects {
+                self.apply(Change::Seen(o), now);
+            }
         }
+        self.feeds = feeds;
         Ok(())
     }
 
     fn changes(&self, client: &Client) -> impl Stream<Item = Change> + Send + use<> {
-        source::watch(
-            source::api(client, self.kind, &self.namespace),
-            &self.selector,
-        )
+        let watches = self.feeds.iter().map(|feed| {
+            source::watch(
+                source::api(client, self.kind, *feed, &self.namespace),
+                *feed,
+                &self.selector,
+            )
+            .boxed()
+        });
+        futures::stream::select_all(watches)
     }
 
     fn not_found(&self) -> String {
         format!(
-            "no {}s labelled {} in namespace {} (a {} without pod volumes has none; check the name and -n)",
+            "no {}s or {}s labelled {} in namespace {} (a {} without pod volumes or moved snapshots has none; check the name and -n)",
             self.kind.resource(),
+            Feed::DataMovement.resource(self.kind),
             self.selector,
             self.namespace,
             self.kind.as_str()
@@ -336,22 +361,32 @@ async fn watch_lines(client: &Client, mut view: View, output: Output) -> Result<
 
 /// `cancel backup NAME` / `cancel restore NAME`.
 async fn cancel(client: &Client, kind: Kind, ns: &str, name: &str) -> Result<i32, String> {
-    let api = source::api(client, kind, ns);
     let selector = source::selector(kind, Some(name));
-    let mut volumes: Vec<Volume> = source::list(&api, kind, &selector)
-        .await?
-        .iter()
-        .filter_map(|o| Volume::from_object(kind, o))
-        .collect();
+    let mut volumes: Vec<(Feed, Volume)> = Vec::new();
+    for feed in Feed::ALL {
+        let api = source::api(client, kind, feed, ns);
+        match source::list(&api, kind, feed, &selector).await {
+            Ok(objects) => volumes.extend(
+                objects
+                    .iter()
+                    .filter_map(|o| Volume::from_object(kind, o))
+                    .map(|v| (feed, v)),
+            ),
+            Err(e) if feed == Feed::DataMovement && source::not_served(&e) => {}
+            Err(e) => return Err(e),
+        }
+    }
     if volumes.is_empty() {
         let view = View::new(kind, ns, Some(name), settings_default(), Duration::ZERO);
         return Err(view.not_found());
     }
-    volumes.sort_by(|a, b| a.name.cmp(&b.name));
+    volumes.sort_by(|a, b| (a.0 as u8, &a.1.name).cmp(&(b.0 as u8, &b.1.name)));
     let (mut asked, mut already, mut finished, mut failed) = (0, 0, 0, 0);
-    for v in &volumes {
-        let what = format!("{}/{}", kind.resource(), v.name);
-        match source::cancel(&api, kind, v).await {
+    for (feed, v) in &volumes {
+        let resource = feed.resource(kind);
+        let what = format!("{resource}/{}", v.name);
+        let api = source::api(client, kind, *feed, ns);
+        match source::cancel(&api, resource, v).await {
             Ok(CancelOutcome::Requested) => {
                 asked += 1;
                 println!("{what}: cancel requested (was {})", v.phase_label());

@@ -1,5 +1,6 @@
 //! The thin Kubernetes layer of `kubectl podvolume`: the user's kubeconfig, list and watch of
-//! PodVolumeBackups/PodVolumeRestores by label, and the cancel patch. Objects are read as untyped
+//! PodVolumeBackups/PodVolumeRestores and DataUploads/DataDownloads by label, and the cancel
+//! patch. Objects are read as untyped
 //! JSON (`DynamicObject`) so that one odd object (a phase of a later Velero, a mistyped field)
 //! costs its own fields, never the whole list.
 
@@ -14,6 +15,28 @@ use serde_json::Value;
 
 use super::summary::{Kind, Volume};
 use crate::crd::{PodVolumeBackup, PodVolumeRestore};
+use crate::datamover::{DataDownload, DataUpload};
+
+/// The two kinds of objects of one Velero backup/restore: its pod volumes (PodVolumeBackups or
+/// PodVolumeRestores) and its CSI snapshot data movement (DataUploads or DataDownloads).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Feed {
+    PodVolumes,
+    DataMovement,
+}
+
+impl Feed {
+    pub const ALL: [Feed; 2] = [Feed::PodVolumes, Feed::DataMovement];
+
+    /// The resource, as kubectl names it (singular).
+    pub fn resource(self, kind: Kind) -> &'static str {
+        match (self, kind) {
+            (Feed::PodVolumes, k) => k.resource(),
+            (Feed::DataMovement, Kind::Backup) => "dataupload",
+            (Feed::DataMovement, Kind::Restore) => "datadownload",
+        }
+    }
+}
 
 /// A client for the current context of the user's kubeconfig (`--kubeconfig`, else `KUBECONFIG`,
 /// else `~/.kube/config`, else in-cluster), or of `--context`.
@@ -39,13 +62,20 @@ pub async fn client(kubeconfig: Option<&Path>, context: Option<&str>) -> Result<
     Client::try_from(config).map_err(|e| format!("cannot build a client: {e}"))
 }
 
-/// The resource of `kind` in `namespace`.
-pub fn api(client: &Client, kind: Kind, namespace: &str) -> Api<DynamicObject> {
-    let resource = match kind {
-        Kind::Backup => ApiResource::erase::<PodVolumeBackup>(&()),
-        Kind::Restore => ApiResource::erase::<PodVolumeRestore>(&()),
+/// The resource of `kind` and `feed` in `namespace`.
+pub fn api(client: &Client, kind: Kind, feed: Feed, namespace: &str) -> Api<DynamicObject> {
+    let resource = match (feed, kind) {
+        (Feed::PodVolumes, Kind::Backup) => ApiResource::erase::<PodVolumeBackup>(&()),
+        (Feed::PodVolumes, Kind::Restore) => ApiResource::erase::<PodVolumeRestore>(&()),
+        (Feed::DataMovement, Kind::Backup) => ApiResource::erase::<DataUpload>(&()),
+        (Feed::DataMovement, Kind::Restore) => ApiResource::erase::<DataDownload>(&()),
     };
     Api::namespaced_with(client.clone(), namespace, &resource)
+}
+
+/// Whether an error says the resource is not served (Velero < 1.12 has no data movement kinds).
+pub fn not_served(e: &str) -> bool {
+    e.starts_with("the API server does not serve")
 }
 
 /// The label selector for one Velero backup/restore, or for all of them.
@@ -60,6 +90,7 @@ pub fn selector(kind: Kind, name: Option<&str>) -> String {
 pub async fn list(
     api: &Api<DynamicObject>,
     kind: Kind,
+    feed: Feed,
     selector: &str,
 ) -> Result<Vec<Value>, String> {
     let mut out = Vec::new();
@@ -68,7 +99,7 @@ pub async fn list(
         let page = api
             .list(&params)
             .await
-            .map_err(|e| explain(kind, "list", api, e))?;
+            .map_err(|e| explain(feed.resource(kind), "list", api, e))?;
         out.extend(
             page.items
                 .iter()
@@ -86,27 +117,31 @@ pub enum Change {
     /// An object as it is now (listed or changed).
     Seen(Value),
     Deleted(Value),
-    /// A re-list starts: what it does not show again is gone.
-    RelistStart,
-    RelistDone,
+    /// A re-list of one feed starts: what it does not show again is gone.
+    RelistStart(Feed),
+    RelistDone(Feed),
     /// The watch failed; it is retried with backoff.
     Error(String),
 }
 
 /// A watch of the objects matching `selector`, re-listing after errors (kube's watcher).
-pub fn watch(api: Api<DynamicObject>, selector: &str) -> impl Stream<Item = Change> + Send + use<> {
+pub fn watch(
+    api: Api<DynamicObject>,
+    feed: Feed,
+    selector: &str,
+) -> impl Stream<Item = Change> + Send + use<> {
     let config = watcher::Config::default().labels(selector);
     watcher::watcher(api, config)
         .default_backoff()
-        .map(|event| match event {
+        .map(move |event| match event {
             Ok(watcher::Event::Apply(o) | watcher::Event::InitApply(o)) => {
                 Change::Seen(serde_json::to_value(o).unwrap_or_default())
             }
             Ok(watcher::Event::Delete(o)) => {
                 Change::Deleted(serde_json::to_value(o).unwrap_or_default())
             }
-            Ok(watcher::Event::Init) => Change::RelistStart,
-            Ok(watcher::Event::InitDone) => Change::RelistDone,
+            Ok(watcher::Event::Init) => Change::RelistStart(feed),
+            Ok(watcher::Event::InitDone) => Change::RelistDone(feed),
             Err(e) => Change::Error(e.to_string()),
         })
 }
@@ -125,7 +160,7 @@ pub enum CancelOutcome {
 /// whichever CRD flavour the cluster has.
 pub async fn cancel(
     api: &Api<DynamicObject>,
-    kind: Kind,
+    resource: &str,
     volume: &Volume,
 ) -> Result<CancelOutcome, String> {
     if volume.state().is_terminal() {
@@ -143,17 +178,17 @@ pub async fn cancel(
         &Patch::Merge(crate::crd::cancel_patch()),
     )
     .await
-    .map_err(|e| explain(kind, "patch", api, e))?;
+    .map_err(|e| explain(resource, "patch", api, e))?;
     Ok(CancelOutcome::Requested)
 }
 
 /// An API error in the words a user needs: what was refused and what permission it takes.
-fn explain(kind: Kind, verb: &str, api: &Api<DynamicObject>, e: kube::Error) -> String {
-    let resource = format!("{}s.velero.io", kind.resource());
+fn explain(resource: &str, verb: &str, api: &Api<DynamicObject>, e: kube::Error) -> String {
+    let resource = format!("{resource}s.velero.io");
     let ns = api.namespace().unwrap_or("");
     match &e {
         kube::Error::Api(s) if s.code == 403 => format!(
-            "forbidden: you may not {verb} {resource} in namespace {ns} ({}); kubectl podvolume needs get, list and watch on podvolumebackups and podvolumerestores (and patch to cancel)",
+            "forbidden: you may not {verb} {resource} in namespace {ns} ({}); kubectl podvolume needs get, list and watch on podvolumebackups, podvolumerestores, datauploads and datadownloads (and patch to cancel)",
             s.message
         ),
         kube::Error::Api(s) if s.code == 404 => format!(

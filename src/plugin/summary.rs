@@ -107,6 +107,8 @@ pub struct Volume {
     pub created: Option<SystemTime>,
     pub started: Option<SystemTime>,
     pub completed: Option<SystemTime>,
+    /// A DataUpload/DataDownload (CSI snapshot data movement), not a pod volume.
+    pub moved: bool,
 }
 
 impl Volume {
@@ -123,6 +125,21 @@ impl Volume {
         }
         let phase = text(&status["phase"]);
         let state = State::of_phase(&phase);
+        // A DataUpload names its source claim, a DataDownload its target volume; both have no
+        // pod (the hold pod is the agent's business).
+        let moved_claim = if let Some(pvc) = spec["sourcePVC"].as_str() {
+            Some(format!("{}/{pvc}", text(&spec["sourceNamespace"])))
+        } else {
+            spec["targetVolume"].as_object().map(|t| {
+                format!(
+                    "{}/{}",
+                    t.get("namespace")
+                        .and_then(Value::as_str)
+                        .unwrap_or_default(),
+                    t.get("pvc").and_then(Value::as_str).unwrap_or_default()
+                )
+            })
+        };
         let done = count(&status["progress"]["bytesDone"]);
         let mut total = Some(count(&status["progress"]["totalBytes"])).filter(|t| *t > 0);
         if total.is_none() && kind == Kind::Restore {
@@ -139,8 +156,8 @@ impl Volume {
             None => done,
         };
         let node = match kind {
-            Kind::Backup => text(&spec["node"]),
-            Kind::Restore => text(&status["node"]),
+            Kind::Backup if moved_claim.is_none() => text(&spec["node"]),
+            _ => text(&status["node"]),
         };
         let pod_ns = text(&spec["pod"]["namespace"]);
         let pod_name = text(&spec["pod"]["name"]);
@@ -148,12 +165,18 @@ impl Volume {
             uid,
             name: text(&meta["name"]),
             group: text(&meta["labels"][kind.group_label()]),
-            pod: if pod_ns.is_empty() {
+            pod: if moved_claim.is_some() {
+                "(data mover)".to_string()
+            } else if pod_ns.is_empty() {
                 pod_name
             } else {
                 format!("{pod_ns}/{pod_name}")
             },
-            volume: text(&spec["volume"]),
+            volume: match &moved_claim {
+                Some(claim) => format!("claim {claim}"),
+                None => text(&spec["volume"]),
+            },
+            moved: moved_claim.is_some(),
             node,
             phase,
             bytes_done,
@@ -426,9 +449,12 @@ impl Tracker {
     }
 
     /// After a re-list: volumes not in it are gone.
-    pub fn retain(&mut self, uids: &std::collections::HashSet<String>) -> bool {
+    /// Keeps the volumes of `moved` kind (data movement or pod volumes) whose uid is in `uids`,
+    /// and every volume of the other kind (a re-list of one feed says nothing of the other).
+    pub fn retain(&mut self, moved: bool, uids: &std::collections::HashSet<String>) -> bool {
         let before = self.volumes.len();
-        self.volumes.retain(|k, _| uids.contains(k));
+        self.volumes
+            .retain(|k, v| v.moved != moved || uids.contains(k));
         before != self.volumes.len()
     }
 
@@ -946,5 +972,52 @@ mod tests {
             (items[1].node.as_str(), items[1].phase.as_str()),
             ("n2", "InProgress")
         );
+    }
+
+    #[test]
+    fn data_uploads_and_downloads_are_read_beside_pod_volumes() {
+        let du = json!({
+            "metadata": {"uid": "d1", "name": "b1-x", "labels": {"velero.io/backup-name": "b1"}},
+            "spec": {"sourcePVC": "data", "sourceNamespace": "app", "snapshotType": "CSI"},
+            "status": {"phase": "InProgress", "node": "n1", "progress": {"bytesDone": 5, "totalBytes": 10}},
+        });
+        let v = Volume::from_object(Kind::Backup, &du).unwrap();
+        assert!(v.moved);
+        assert_eq!(
+            (
+                v.pod.as_str(),
+                v.volume.as_str(),
+                v.node.as_str(),
+                v.group.as_str()
+            ),
+            ("(data mover)", "claim app/data", "n1", "b1")
+        );
+        assert_eq!((v.bytes_done, v.total_bytes), (5, Some(10)));
+        let dd = json!({
+            "metadata": {"uid": "d2", "name": "r1-y", "labels": {"velero.io/restore-name": "r1"}},
+            "spec": {"targetVolume": {"pvc": "data", "pv": "", "namespace": "app2"}, "snapshotSize": 100},
+            "status": {"phase": "Accepted"},
+        });
+        let v = Volume::from_object(Kind::Restore, &dd).unwrap();
+        assert!(v.moved);
+        assert_eq!(v.volume, "claim app2/data");
+        assert_eq!(v.total_bytes, Some(100));
+        // A re-list of the pod volumes keeps the moved ones, and the other way round.
+        let mut t = Tracker::new(
+            Kind::Backup,
+            Settings {
+                window: Duration::from_secs(60),
+                stall_after: Duration::from_secs(60),
+            },
+        );
+        let at = SystemTime::UNIX_EPOCH + Duration::from_secs(1000);
+        t.observe(Volume::from_object(Kind::Backup, &du).unwrap(), at);
+        let pvb = json!({"metadata": {"uid": "p1", "name": "b1-p", "labels": {"velero.io/backup-name": "b1"}},
+            "spec": {"node": "n1", "pod": {"namespace": "app", "name": "web"}, "volume": "cache"}});
+        t.observe(Volume::from_object(Kind::Backup, &pvb).unwrap(), at);
+        assert!(!t.retain(false, &["p1".to_string()].into()));
+        assert_eq!(t.items("b1", at).len(), 2);
+        assert!(t.retain(true, &Default::default()));
+        assert_eq!(t.items("b1", at).len(), 1);
     }
 }
