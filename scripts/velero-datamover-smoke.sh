@@ -63,7 +63,7 @@ plugin_version=$(go version -m "$plugin" | awk '$1 == "mod" && $2 ~ /velero-plug
 if [ -n "${PODVOLUME_IMAGE:-}" ]; then
   agent_image=$PODVOLUME_IMAGE
 else
-  (cd "$root" && cargo build --quiet --bin podvolume-agent) || die "cargo build failed"
+  (cd "$root" && cargo build --quiet --bin podvolume-agent --bin kubectl-podvolume) || die "cargo build failed"
   agent_image=$W/image
   base=()
   [ -f "$root/target/test-tools/image-base.tar" ] && base=(--base "$root/target/test-tools/image-base.tar")
@@ -246,6 +246,16 @@ for c in data logs; do
   check "DataUpload of $c: bytesDone = totalBytes = ${expected[$c]}" [ "$(du_field $c status.progress.bytesDone)/$(du_field $c status.progress.totalBytes)" = "${expected[$c]}/${expected[$c]}" ]
   check "DataUpload of $c has a snapshot ID and both timestamps" [ -n "$(du_field $c status.snapshotID)" ] && [ -n "$(du_field $c status.startTimestamp)" ] && [ -n "$(du_field $c status.completionTimestamp)" ]
 done
+# kubectl podvolume shows the backup's moved snapshots (its own JSON, parsed by the check).
+plugin=$root/target/debug/kubectl-podvolume
+[ -x "$plugin" ] || (cd "$root" && cargo build --quiet --bin kubectl-podvolume) || die "cargo build kubectl-podvolume failed"
+"$plugin" --kubeconfig "$admin_kc" -n "$VNS" backup b1 --once -o json >"$W/podvolume-b1.json" 2>"$W/podvolume-b1.err" || true
+"$plugin" --kubeconfig "$admin_kc" -n "$VNS" backup b1 --once >"$W/podvolume-b1.txt" 2>&1 || true
+sed 's/^/    /' "$W/podvolume-b1.txt"
+check "kubectl podvolume backup b1: both claims' DataUploads Completed, the bytes of both" python3 -c 'import json,sys
+d=json.load(open(sys.argv[1])); items=sorted((i["volume"], i["phase"]) for i in d["items"])
+assert items == [("claim dm-app/data", "Completed"), ("claim dm-app/logs", "Completed")], items
+assert d["summary"]["bytesDone"] == int(sys.argv[2]), d["summary"]' "$W/podvolume-b1.json" $((expected[data] + expected[logs]))
 left_objects() {
   k -n "$VNS" get pods,pvc,volumesnapshots -o name 2>/dev/null | grep -v '^pod/node-agent-' || true
   k get volumesnapshotcontents -o name 2>/dev/null || true
@@ -304,6 +314,10 @@ for c in data logs; do
   got=$(tree_sum "$(voldir $c)" 2>/dev/null || echo none)
   check "claim $c restored byte-identical (tree sha256 ${sums[$c]:0:16}...)" [ "$got" = "${sums[$c]}" ]
 done
+"$plugin" --kubeconfig "$admin_kc" -n "$VNS" restore r1 --once -o json >"$W/podvolume-r1.json" 2>"$W/podvolume-r1.err" || true
+check "kubectl podvolume restore r1: both claims' DataDownloads Completed" python3 -c 'import json,sys
+d=json.load(open(sys.argv[1])); items=sorted((i["volume"], i["phase"]) for i in d["items"])
+assert items == [("claim dm-app/data", "Completed"), ("claim dm-app/logs", "Completed")], items' "$W/podvolume-r1.json"
 settle 60 nothing_left || true
 check "nothing exposed left after the restore: $(left_objects | tr '\n' ' ')" nothing_left
 released() { k get pv -o jsonpath='{range .items[?(@.status.phase!="Bound")]}{.metadata.name}={.status.phase} {end}'; }

@@ -28,18 +28,20 @@ pub struct Connection {
     /// kubeconfig context to use (default: the current context).
     #[arg(long, global = true)]
     pub context: Option<String>,
-    /// Velero's namespace, where the PodVolumeBackups/PodVolumeRestores are.
+    /// Velero's namespace, where the PodVolumeBackups/PodVolumeRestores (and DataUploads/
+    /// DataDownloads) are.
     #[arg(short = 'n', long, global = true, default_value = "velero")]
     pub namespace: String,
 }
 
 #[derive(Debug, Subcommand)]
 pub enum PluginCommand {
-    /// One line per Velero backup that has pod volume backups.
+    /// One line per Velero backup that has pod volume backups or DataUploads.
     Backups(ListArgs),
-    /// One line per Velero restore that has pod volume restores.
+    /// One line per Velero restore that has pod volume restores or DataDownloads.
     Restores(ListArgs),
-    /// One Velero backup: the whole and each volume (a live view on a terminal).
+    /// One Velero backup: the whole and each volume, pod volumes and moved CSI snapshots (a
+    /// live view on a terminal).
     Backup(ShowArgs),
     /// One Velero restore: the whole and each volume (a live view on a terminal).
     Restore(ShowArgs),
@@ -52,9 +54,9 @@ pub enum PluginCommand {
 
 #[derive(Debug, Subcommand)]
 pub enum CancelTarget {
-    /// Sets `spec.cancel: true` on the backup's unfinished PodVolumeBackups.
+    /// Sets `spec.cancel: true` on the backup's unfinished PodVolumeBackups and DataUploads.
     Backup { name: String },
-    /// Sets `spec.cancel: true` on the restore's unfinished PodVolumeRestores.
+    /// Sets `spec.cancel: true` on the restore's unfinished PodVolumeRestores and DataDownloads.
     Restore { name: String },
 }
 
