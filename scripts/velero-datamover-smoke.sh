@@ -144,10 +144,6 @@ vel install --provider "$PROVIDER" --plugins "velero/$(basename "$plugin"):$plug
   --secret-file "$W/cloud" --cacert "$W/store/ca.pem" --backup-location-config "$bsl_config" \
   --use-volume-snapshots=false --uploader-type "$UPLOADER" --features=EnableCSI >"$W/velero-install.log" 2>&1 \
   || die "velero install failed: $(tail -n 20 "$W/velero-install.log")"
-k apply -k "$root/daemonset/" -l app.kubernetes.io/name=podvolume-agent >"$W/daemonset-apply.log" 2>&1 \
-  || die "kubectl apply -k daemonset/ failed: $(cat "$W/daemonset-apply.log")"
-# What the agent's pod needs for this store, and nothing else: the emulator's address (no such
-# variable in production).
 # Velero's node-agent ConfigMap, as a user of Velero's node agent has one: a per-node
 # loadConcurrency rule, the data-movement pods' labels, annotations, resources and affinity.
 k -n "$VNS" create configmap node-agent-config --from-literal=node-agent-config.json='{
@@ -155,12 +151,31 @@ k -n "$VNS" create configmap node-agent-config --from-literal=node-agent-config.
   "loadAffinity": [{"nodeSelector": {"matchLabels": {"kubernetes.io/os": "linux"}}}],
   "podLabels": {"team": "storage"}, "podAnnotations": {"podvolume-test/by": "configmap"},
   "podResources": {"cpuRequest": "10m", "memoryLimit": "256Mi"}}' >/dev/null
-k -n "$VNS" set env daemonset/node-agent STORAGE_EMULATOR_HOST="$emulator_host" GOOGLE_ACCESS_TOKEN=emulator-needs-none \
-  NODE_AGENT_CONFIGMAP=node-agent-config >/dev/null
-wait_until 180 "the Ready pod of DaemonSet node-agent on $NODE" ds_pod_ready
-ds_pod=$(k -n "$VNS" get pods -l name=node-agent --field-selector "spec.nodeName=$NODE" -o jsonpath='{.items[0].metadata.name}')
-ds_uid=$(k -n "$VNS" get pod "$ds_pod" -o jsonpath='{.metadata.uid}')
-save_agent_log() { cat /var/log/pods/"${VNS}_${ds_pod}_${ds_uid}"/node-agent/*.log >"$W/agent.log" 2>/dev/null || true; }
+# Our agent as the DaemonSet node-agent, with what its pod needs for this store and nothing else:
+# the emulator's address (no such variable in production).
+start_our_agent() {
+  k apply -k "$root/daemonset/" -l app.kubernetes.io/name=podvolume-agent >"$W/daemonset-apply.log" 2>&1 \
+    || die "kubectl apply -k daemonset/ failed: $(cat "$W/daemonset-apply.log")"
+  k -n "$VNS" set env daemonset/node-agent STORAGE_EMULATOR_HOST="$emulator_host" GOOGLE_ACCESS_TOKEN=emulator-needs-none \
+    NODE_AGENT_CONFIGMAP=node-agent-config >/dev/null
+  wait_until 180 "the Ready pod of DaemonSet node-agent on $NODE" ds_pod_ready
+  ds_pod=$(k -n "$VNS" get pods -l name=node-agent --field-selector "spec.nodeName=$NODE" -o jsonpath='{.items[0].metadata.name}')
+  ds_uid=$(k -n "$VNS" get pod "$ds_pod" -o jsonpath='{.metadata.uid}')
+}
+# Every agent pod's log, in agent.log (one file per pod beside it).
+save_agent_log() {
+  [ -n "${ds_pod:-}" ] || return 0
+  cat /var/log/pods/"${VNS}_${ds_pod}_${ds_uid}"/node-agent/*.log >"$W/agent-$ds_pod.log" 2>/dev/null || true
+  cat "$W"/agent-*.log >"$W/agent.log" 2>/dev/null || true
+}
+# Removes whichever node-agent DaemonSet runs (ours or Velero's: the same name), and its pod.
+no_agent_pod() { [ -z "$(k -n "$VNS" get pods -l name=node-agent -o name 2>/dev/null)" ]; }
+stop_node_agent() {
+  save_agent_log
+  k -n "$VNS" delete daemonset node-agent --wait=true >/dev/null 2>&1 || true
+  wait_until 120 "the node-agent pod gone" no_agent_pod
+}
+start_our_agent
 agent_log_saver=save_agent_log
 k -n "$VNS" scale deployment velero --replicas=0 >/dev/null
 token_kubeconfig velero "$W/velero-sa.kubeconfig"
@@ -323,6 +338,99 @@ check "nothing exposed left after the restore: $(left_objects | tr '\n' ' ')" no
 released() { k get pv -o jsonpath='{range .items[?(@.status.phase!="Bound")]}{.metadata.name}={.status.phase} {end}'; }
 check "no volume left unbound: $(released)" [ -z "$(released)" ]
 
+# --- Velero's own data mover, both ways ------------------------------------------------------------
+# Snapshots are interchangeable with Velero's node agent: the agent's backup b1 restored by
+# Velero's data mover, and a backup moved by Velero's data mover restored by the agent. Velero's
+# node agent runs as its own DaemonSet (from `velero install --use-node-agent`, the image made of
+# Velero's binary) in place of ours: two node agents cannot share a node.
+step_begin "Velero's own data mover: restores the agent's b1; its backup restored by the agent"
+stop_node_agent
+(umask 077; k -n "$VNS" create secret generic store-ca --from-file=ca-bundle="$W/store/bundle.pem" >/dev/null)
+vel install --provider "$PROVIDER" --plugins "velero/$(basename "$plugin"):$plugin_version" --bucket "$BUCKET" --prefix "$PREFIX" \
+  --secret-file "$W/cloud" --cacert "$W/store/ca.pem" --backup-location-config "$bsl_config" \
+  --use-volume-snapshots=false --uploader-type "$UPLOADER" --use-node-agent --dry-run -o json >"$W/velero-node-agent.json" 2>"$W/velero-dry-run.log" \
+  || die "velero install --dry-run failed: $(tail -n 5 "$W/velero-dry-run.log")"
+# Velero's kopia reads no CA setting for GCS (see the cloud smoke): the bundle comes through
+# SSL_CERT_FILE, from a Secret mounted beside Velero's credentials; its data-path pods inherit both.
+python3 - "$W/velero-node-agent.json" "$emulator_host" >"$W/velero-node-agent-ds.json" <<'PY'
+import json, sys
+items = json.load(open(sys.argv[1]))["items"]
+ds = [i for i in items if i["kind"] == "DaemonSet"][0]
+spec = ds["spec"]["template"]["spec"]
+c = spec["containers"][0]
+c.setdefault("env", []).extend([{"name": "STORAGE_EMULATOR_HOST", "value": sys.argv[2]},
+    {"name": "GOOGLE_ACCESS_TOKEN", "value": "emulator-needs-none"},
+    {"name": "SSL_CERT_FILE", "value": "/store-ca/ca-bundle"}])
+c.setdefault("volumeMounts", []).append({"name": "store-ca", "mountPath": "/store-ca", "readOnly": True})
+spec.setdefault("volumes", []).append({"name": "store-ca", "secret": {"secretName": "store-ca"}})
+print(json.dumps(ds))
+PY
+k apply -f "$W/velero-node-agent-ds.json" >/dev/null || die "applying Velero's node-agent DaemonSet failed"
+wait_until 180 "the Ready pod of Velero's node-agent on $NODE" ds_pod_ready
+vpod=$(k -n "$VNS" get pods -l name=node-agent --field-selector "spec.nodeName=$NODE" -o jsonpath='{.items[0].metadata.name}')
+echo "  Velero's node agent $vpod Ready ($(k -n "$VNS" get pod "$vpod" -o jsonpath='{.spec.containers[0].image}'))"
+save_velero_agent_log() { k -n "$VNS" logs "$vpod" >"$W/velero-node-agent.log" 2>&1 || true; }
+
+# 1. The agent's b1, restored by Velero's data mover.
+k delete namespace "$APP" --wait=true --timeout=120s >/dev/null || die "namespace $APP not deleted"
+wait_until 120 "the volumes of $APP deleted" no_app_volumes
+rrc=0; bounded "$W/restore-vel.out" "${vel_cmd[@]}" restore create r-vel --from-backup b1 --wait || rrc=$?
+echo "  Restore r-vel (Velero's data mover): $(k -n "$VNS" get restore r-vel -o jsonpath='{.status.phase}'); DataDownloads: $(k -n "$VNS" get datadownloads -l velero.io/restore-name=r-vel -o jsonpath='{range .items[*]}{.spec.targetVolume.pvc}={.status.phase} node={.status.node} {.status.progress.bytesDone} {.status.message}; {end}')"
+check "Velero's data mover restored the agent's b1: Restore r-vel Completed" [ "$(k -n "$VNS" get restore r-vel -o jsonpath='{.status.phase}')" = Completed ]
+settle 120 running || true
+for c in data logs; do
+  got=$(tree_sum "$(voldir $c)" 2>/dev/null || echo none)
+  check "Velero's data mover restored claim $c of the agent's snapshot byte-identical" [ "$got" = "${sums[$c]}" ]
+done
+
+# 2. A backup moved by Velero's data mover.
+VAPP=dm-velero
+k create namespace "$VAPP" >/dev/null
+k apply -f - >/dev/null <<YAML
+apiVersion: v1
+kind: PersistentVolumeClaim
+metadata: {name: data, namespace: $VAPP}
+spec:
+  accessModes: [ReadWriteOnce]
+  storageClassName: podvolume-csi
+  resources: {requests: {storage: 64Mi}}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: writer, namespace: $VAPP}
+spec:
+  terminationGracePeriodSeconds: 1
+  containers:
+  - {name: app, image: $WORKLOAD_IMAGE, command: [sleep, infinity], volumeMounts: [{name: data, mountPath: /data}]}
+  volumes: [{name: data, persistentVolumeClaim: {claimName: data}}]
+YAML
+vrunning() { [ "$(k -n "$VAPP" get pod writer -o jsonpath='{.status.phase}' 2>/dev/null)" = Running ]; }
+wait_until 120 "pod $VAPP/writer Running" vrunning
+vdir_of() { echo "/var/lib/kubelet/pods/$(k -n "$VAPP" get pod writer -o jsonpath='{.metadata.uid}')/volumes/kubernetes.io~csi/$(k -n "$VAPP" get pvc data -o jsonpath='{.spec.volumeName}')/mount"; }
+d=$(vdir_of); rnd "$d/a/b/one.bin" 3333333; rnd "$d/two.bin" 12345; mkdir -p "$d/empty"; ln -s a/b/one.bin "$d/link"
+vsum=$(tree_sum "$d"); vbytes=$(bytes "$d")
+brc=0; bounded "$W/backup-vel.out" "${vel_cmd[@]}" backup create b-vel --include-namespaces "$VAPP" --snapshot-move-data --wait || brc=$?
+echo "  Backup b-vel (Velero's data mover): $(k -n "$VNS" get backup b-vel -o jsonpath='{.status.phase}'); DataUploads: $(k -n "$VNS" get datauploads -l velero.io/backup-name=b-vel -o jsonpath='{range .items[*]}{.spec.sourcePVC}={.status.phase} node={.status.node} {.status.progress.bytesDone}/{.status.progress.totalBytes} {.status.message}; {end}')"
+check "Velero's data mover moved b-vel: Backup Completed, DataUpload Completed" \
+  [ "$(k -n "$VNS" get backup b-vel -o jsonpath='{.status.phase}')/$(k -n "$VNS" get datauploads -l velero.io/backup-name=b-vel -o jsonpath='{.items[0].status.phase}')" = Completed/Completed ]
+save_velero_agent_log
+
+# 3. Back to the agent, which restores b-vel.
+stop_node_agent
+start_our_agent
+echo "  the agent's pod $ds_pod Ready again"
+k delete namespace "$VAPP" --wait=true --timeout=120s >/dev/null || die "namespace $VAPP not deleted"
+rrc=0; bounded "$W/restore-ours.out" "${vel_cmd[@]}" restore create r-ours --from-backup b-vel --wait || rrc=$?
+echo "  Restore r-ours (the agent): $(k -n "$VNS" get restore r-ours -o jsonpath='{.status.phase}'); DataDownloads: $(k -n "$VNS" get datadownloads -l velero.io/restore-name=r-ours -o jsonpath='{range .items[*]}{.spec.targetVolume.pvc}={.status.phase} node={.status.node} {.status.progress.bytesDone} {.status.message}; {end}')"
+check "the agent restored Velero's data mover's b-vel: Restore r-ours Completed, DataDownload Completed" \
+  [ "$(k -n "$VNS" get restore r-ours -o jsonpath='{.status.phase}')/$(k -n "$VNS" get datadownloads -l velero.io/restore-name=r-ours -o jsonpath='{.items[0].status.phase}')" = Completed/Completed ]
+settle 120 vrunning || true
+got=$(tree_sum "$(vdir_of)" 2>/dev/null || echo none)
+check "the agent restored Velero's snapshot byte-identical ($vbytes bytes, tree sha256 ${vsum:0:16}...)" [ "$got" = "$vsum" ]
+settle 60 nothing_left || true
+check "nothing exposed left after both directions: $(left_objects | tr '\n' ' ')" nothing_left
+step_end
+
 # --- cancel and restart ------------------------------------------------------------------------
 # A claim with a 12 GiB sparse file: kopia reads its zeros for several seconds, long enough to be
 # seen InProgress and stopped. The cancel case runs first: a completed snapshot would let the
@@ -391,6 +499,7 @@ check "spec.cancel: Backup b-cancel ended PartiallyFailed (got $(k -n "$VNS" get
 wait_until 180 "the DataUpload of b-restart InProgress with kopia running" du_in_progress b-restart
 kopia_pids=$(pgrep -x kopia | tr '\n' ' ')
 old_pod=$ds_pod
+save_agent_log
 t0=$SECONDS
 k -n "$VNS" delete pod "$old_pod" --wait=false >/dev/null
 old_kopia_gone() { local p; for p in $kopia_pids; do [ -e "/proc/$p" ] && return 1; done; return 0; }
