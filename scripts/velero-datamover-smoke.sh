@@ -14,7 +14,9 @@
 # namespace deleted and `velero restore create`: every DataDownload Completed by the agent with
 # exact bytes, the Restore Completed, both claims bound to the restored volumes (Velero's
 # dynamic-pv-restore label) and byte-identical (tree sha256), the pod running again, nothing
-# exposed and no unbound volume left. Then the faults: spec.cancel on an InProgress DataUpload
+# exposed and no unbound volume left. Then Velero's own node agent in place of ours: it restores
+# the agent's backup, and moves a backup the agent then restores, byte-identical both ways. Then
+# the faults: spec.cancel on an InProgress DataUpload
 # (Canceled, kopia stopped, nothing left, the Backup PartiallyFailed) and the agent's pod deleted
 # mid-transfer (its kopia stopped, the new pod runs the DataUpload again to Completed).
 #
