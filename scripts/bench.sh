@@ -7,7 +7,8 @@
 #
 # Needs restic on PATH (or RESTIC=/path/to/restic), kopia (KOPIA=..., else scripts/install-kopia.sh
 # builds the pinned one), the control plane of cases 4b and 5 (scripts/install-control-plane.sh)
-# and Velero 1.18.3 for its CRDs (scripts/install-velero.sh; both build once, cached) and /proc.
+# and Velero 1.18.3 for its CRDs (scripts/install-velero.sh; both build once, cached) and /proc;
+# case 8 (scripts/bench-datamover.sh: CSI data movement on a real node, about 10 minutes) needs root.
 # Work files go to a temporary
 # directory under BENCH_WORK_PARENT (default /var/tmp: a real disk, not tmpfs), removed at the end.
 set -euo pipefail
@@ -64,6 +65,12 @@ echo "case 7: kopia (overhead over bare kopia, progress age, cancel latency)" >&
 bench kopia --kopia "$KOPIA" --agent "$CARGO_TARGET_DIR/release/podvolume-agent" --work "$work/kopia" \
   --runs "$runs" --cancel-runs "$cancel_runs" $quick_flag --out "$parts/7.md" >/dev/null
 rm -rf "$work/kopia"
+echo "case 8: CSI snapshot data movement on the real node (scripts/bench-datamover.sh)" >&2
+if [ "$(id -u)" -eq 0 ]; then
+  scripts/bench-datamover.sh $quick_flag --out "$parts/8.md" >&2
+else
+  printf '## 8. CSI snapshot data movement (DataUploads) on the real node\n\nNot run: it runs a real node, which needs root.\n' >"$parts/8.md"
+fi
 echo "cases 4b and 5: the agent against a real kube-apiserver" >&2
 agent_bench() {
   bench agent --restic "$RESTIC" --agent "$CARGO_TARGET_DIR/release/podvolume-agent" \
@@ -102,6 +109,6 @@ mem_kib="$(sed -n 's/^MemTotal:[[:space:]]*\([0-9]*\) kB/\1/p' /proc/meminfo)"
   echo "The machine is shared and noisy: read the medians and the ratios (measured in the same"
   echo "run, alternating), not single absolute times."
   echo
-  cat "$parts/1-2.md" "$parts/3.md" "$parts/4.md" "$parts/4b-5.md" "$parts/5b.md" "$parts/6.md" "$parts/7.md"
+  cat "$parts/1-2.md" "$parts/3.md" "$parts/4.md" "$parts/4b-5.md" "$parts/5b.md" "$parts/6.md" "$parts/7.md" "$parts/8.md"
 } > "$OUT"
 echo "wrote $OUT" >&2
