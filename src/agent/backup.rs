@@ -17,8 +17,8 @@ use super::transfer::{self, Gate, end, event, monitor, terminal_phase};
 use super::{Context, Error};
 use crate::crd::{Phase, PodVolumeBackup};
 use crate::engine::BackupRequest;
+use crate::uploader::UploaderKind;
 use crate::uploader::restic::BackupOptions;
-use crate::uploader::{OutcomeKind, UploaderKind};
 
 pub const PVC_UID_LABEL: &str = "velero.io/pvc-uid";
 
@@ -103,12 +103,7 @@ async fn run(ctx: Arc<Context>, pvb: PodVolumeBackup, token: CancellationToken) 
         let op = ctx.engine.backup(prepared.request);
         ctx.registry.attach(&uid, op.clone());
         let reason = monitor(&ctx, &pvb, &mut w, &uid, &op, &token).await;
-        let outcome = op.wait().await;
-        let mut progress = op.progress();
-        progress.err = prepared.location.redact(&progress.err);
-        ctx.registry.set_final(&uid, progress.clone());
-        ctx.metrics.uploader_exit(outcome.kind.class());
-        ctx.metrics.truncated(outcome.truncated_frames);
+        let (outcome, progress) = transfer::wait_ended(&ctx, &uid, &op, &prepared.location).await;
         if reason == Some(CancelReason::Shutdown) {
             // The next start runs it again; kopia's incomplete snapshot of this run goes first.
             if let Some(id) = &outcome.incomplete_snapshot_id
@@ -149,15 +144,7 @@ async fn run(ctx: Arc<Context>, pvb: PodVolumeBackup, token: CancellationToken) 
             end(&ctx, &pvb, &mut w, status, started, progress.n_completed).await;
             return;
         }
-        let message = match (phase, reason) {
-            (Phase::Canceled | Phase::Failed, Some(r)) if outcome.kind == OutcomeKind::Canceled => {
-                format!(
-                    "{}; the uploader was stopped",
-                    transfer::reason_text(&ctx, &uid, r)
-                )
-            }
-            _ => super::outcome_message(&ctx, &outcome, &prepared.location),
-        };
+        let message = transfer::terminal_message(&ctx, &uid, phase, reason, &outcome, &prepared.location);
         let message = match transfer::forget_incomplete(
             &ctx,
             &outcome,

@@ -23,7 +23,7 @@ use super::volume;
 use crate::crd::Phase;
 use crate::datamover::DataDownload;
 use crate::engine::RestoreRequest;
-use crate::uploader::{OutcomeKind, UploaderKind};
+use crate::uploader::UploaderKind;
 
 impl Movement for DataDownload {
     const EXPOSED: &'static str = "the restore volume";
@@ -133,12 +133,7 @@ async fn run(ctx: Arc<Context>, dd: DataDownload, token: CancellationToken) {
         let op = ctx.engine.restore(request);
         ctx.registry.attach(&uid, op.clone());
         let reason = monitor(&ctx, &dd, &mut w, &uid, &op, &token).await;
-        let outcome = op.wait().await;
-        let mut progress = op.progress();
-        progress.err = location.redact(&progress.err);
-        ctx.registry.set_final(&uid, progress.clone());
-        ctx.metrics.uploader_exit(outcome.kind.class());
-        ctx.metrics.truncated(outcome.truncated_frames);
+        let (outcome, progress) = transfer::wait_ended(&ctx, &uid, &op, &location).await;
         if reason == Some(CancelReason::Shutdown) {
             // The next start restores it again into the same exposed volume.
             tracing::info!("left for the next agent start to run again");
@@ -146,15 +141,7 @@ async fn run(ctx: Arc<Context>, dd: DataDownload, token: CancellationToken) {
         }
         // A restore with unreadable entries is not the volume the backup had: Failed.
         let mut phase = terminal_phase(&outcome.kind, reason, false);
-        let mut message = match (phase, reason) {
-            (Phase::Canceled | Phase::Failed, Some(r)) if outcome.kind == OutcomeKind::Canceled => {
-                format!(
-                    "{}; the uploader was stopped",
-                    transfer::reason_text(&ctx, &uid, r)
-                )
-            }
-            _ => super::outcome_message(&ctx, &outcome, &location),
-        };
+        let mut message = transfer::terminal_message(&ctx, &uid, phase, reason, &outcome, &location);
         drop(location);
         if phase == Phase::Completed {
             // On disk before the volume changes hands (Velero's restore syncs too).

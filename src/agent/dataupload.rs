@@ -112,12 +112,7 @@ async fn run(ctx: Arc<Context>, du: DataUpload, token: CancellationToken) {
         let op = ctx.engine.backup(prepared.request);
         ctx.registry.attach(&uid, op.clone());
         let reason = monitor(&ctx, &du, &mut w, &uid, &op, &token).await;
-        let outcome = op.wait().await;
-        let mut progress = op.progress();
-        progress.err = prepared.location.redact(&progress.err);
-        ctx.registry.set_final(&uid, progress.clone());
-        ctx.metrics.uploader_exit(outcome.kind.class());
-        ctx.metrics.truncated(outcome.truncated_frames);
+        let (outcome, progress) = transfer::wait_ended(&ctx, &uid, &op, &prepared.location).await;
         let incomplete =
             transfer::forget_incomplete(&ctx, &outcome, uploader, &access, &prepared.location)
                 .await;
@@ -129,17 +124,8 @@ async fn run(ctx: Arc<Context>, du: DataUpload, token: CancellationToken) {
         // Velero's data mover fails on any unreadable entry (FailFast); a snapshot with holes
         // is not a DataUpload result Velero would restore from.
         let phase = terminal_phase(&outcome.kind, reason, false);
-        let message = match (phase, reason) {
-            (Phase::Canceled | Phase::Failed, Some(r))
-                if outcome.kind == crate::uploader::OutcomeKind::Canceled =>
-            {
-                format!(
-                    "{}; the uploader was stopped",
-                    transfer::reason_text(&ctx, &uid, r)
-                )
-            }
-            _ => super::outcome_message(&ctx, &outcome, &prepared.location),
-        };
+        let message =
+            transfer::terminal_message(&ctx, &uid, phase, reason, &outcome, &prepared.location);
         let message = match incomplete {
             Some(what) => format!("{message}; {what}"),
             None => message,

@@ -17,7 +17,6 @@ use super::transfer::{self, Gate, end, event, monitor, terminal_phase};
 use super::{Context, Error, volume};
 use crate::crd::{Phase, PodVolumeRestore};
 use crate::engine::RestoreRequest;
-use crate::uploader::OutcomeKind;
 
 pub const RESTORE_UID_LABEL: &str = "velero.io/restore-uid";
 
@@ -190,25 +189,12 @@ async fn run(ctx: Arc<Context>, pvr: PodVolumeRestore, token: CancellationToken)
         let op = ctx.engine.restore(request);
         ctx.registry.attach(&uid, op.clone());
         let reason = monitor(&ctx, &pvr, &mut w, &uid, &op, &token).await;
-        let outcome = op.wait().await;
-        let mut progress = op.progress();
-        progress.err = location.redact(&progress.err);
-        ctx.registry.set_final(&uid, progress.clone());
-        ctx.metrics.uploader_exit(outcome.kind.class());
-        ctx.metrics.truncated(outcome.truncated_frames);
+        let (outcome, progress) = transfer::wait_ended(&ctx, &uid, &op, &location).await;
         if reason == Some(CancelReason::Shutdown) {
             return;
         }
         let mut phase = terminal_phase(&outcome.kind, reason, false);
-        let mut message = match (phase, reason) {
-            (Phase::Canceled | Phase::Failed, Some(r)) if outcome.kind == OutcomeKind::Canceled => {
-                format!(
-                    "{}; the uploader was stopped",
-                    transfer::reason_text(&ctx, &uid, r)
-                )
-            }
-            _ => super::outcome_message(&ctx, &outcome, &location),
-        };
+        let mut message = transfer::terminal_message(&ctx, &uid, phase, reason, &outcome, &location);
         drop(location);
         if phase == Phase::Completed {
             // What was restored reaches the disk before the pod is let start (Velero syncs

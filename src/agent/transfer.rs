@@ -358,6 +358,43 @@ pub async fn forget_incomplete(
     )
 }
 
+/// Waits for a started operation to end: its outcome and final progress (the location's
+/// secrets redacted from the error), recorded in the registry and the metrics.
+pub async fn wait_ended(
+    ctx: &Context,
+    uid: &str,
+    op: &Operation,
+    location: &super::storage::LocationAccess,
+) -> (std::sync::Arc<crate::uploader::Outcome>, OperationProgress) {
+    let outcome = op.wait().await;
+    let mut progress = op.progress();
+    progress.err = location.redact(&progress.err);
+    ctx.registry.set_final(uid, progress.clone());
+    ctx.metrics.uploader_exit(outcome.kind.class());
+    ctx.metrics.truncated(outcome.truncated_frames);
+    (outcome, progress)
+}
+
+/// The terminal message: why the uploader was stopped when it was stopped for a reason of ours,
+/// else what its outcome says.
+pub fn terminal_message(
+    ctx: &Context,
+    uid: &str,
+    phase: Phase,
+    reason: Option<CancelReason>,
+    outcome: &crate::uploader::Outcome,
+    location: &super::storage::LocationAccess,
+) -> String {
+    match (phase, reason) {
+        (Phase::Canceled | Phase::Failed, Some(r))
+            if outcome.kind == crate::uploader::OutcomeKind::Canceled =>
+        {
+            format!("{}; the uploader was stopped", reason_text(ctx, uid, r))
+        }
+        _ => super::outcome_message(ctx, outcome, location),
+    }
+}
+
 /// The phase an outcome gives the object.
 pub fn terminal_phase(
     kind: &crate::uploader::OutcomeKind,
