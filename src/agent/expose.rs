@@ -528,3 +528,91 @@ pub async fn clean_up(client: &Client, du: &DataUpload) {
         tracing::warn!(error = %e, "cannot delete VolumeSnapshot {}/{vs}", du.spec.source_namespace);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn settings() -> ExposeSettings {
+        let config: super::super::node_agent_config::NodeAgentConfigs = serde_json::from_str(
+            r#"{"loadAffinity": [{"nodeSelector": {"matchLabels": {"disk": "ssd"}}}],
+                "podLabels": {"team": "storage"}}"#,
+        )
+        .unwrap();
+        ExposeSettings {
+            image: "registry.example/podvolume-agent:1".into(),
+            pod_labels: config.pod_labels.clone(),
+            tolerations: Some(json!([{"operator": "Exists"}])),
+            config: std::sync::Arc::new(config),
+            ..ExposeSettings::default()
+        }
+    }
+
+    #[test]
+    fn the_hold_pod_is_locked_down_and_labelled_ours() {
+        let s = settings();
+        let pod = hold_pod_object(
+            "b1-abc",
+            "velero",
+            json!([]),
+            &s,
+            true,
+            s.config.affinity("any"),
+            None,
+        )
+        .unwrap();
+        let v = serde_json::to_value(&pod).unwrap();
+        assert_eq!(v["metadata"]["labels"][HOLD_LABEL], "b1-abc");
+        assert_eq!(v["metadata"]["labels"]["team"], "storage");
+        // Not Velero's label: its node agent would take the pod for one of its own.
+        assert!(
+            v["metadata"]["labels"]
+                .get("velero.io/data-upload")
+                .is_none()
+        );
+        let spec = &v["spec"];
+        assert_eq!(spec["automountServiceAccountToken"], false);
+        assert_eq!(spec["containers"][0]["args"], json!(["hold"]));
+        assert_eq!(
+            spec["containers"][0]["securityContext"]["capabilities"]["drop"],
+            json!(["ALL"])
+        );
+        assert_eq!(
+            spec["volumes"][0]["persistentVolumeClaim"]["readOnly"],
+            true
+        );
+        assert_eq!(spec["containers"][0]["volumeMounts"][0]["readOnly"], true);
+        assert_eq!(spec["tolerations"], json!([{"operator": "Exists"}]));
+        assert_eq!(
+            spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+                [0]["matchExpressions"][0]["key"],
+            "disk"
+        );
+        assert!(spec["nodeSelector"].get("kubernetes.io/hostname").is_none());
+    }
+
+    #[test]
+    fn a_restore_hold_pod_is_pinned_to_the_consumer_s_node_without_the_affinity() {
+        let s = settings();
+        let pod = hold_pod_object(
+            "r1-abc",
+            "velero",
+            json!([]),
+            &s,
+            false,
+            s.config.affinity("any"),
+            Some("node-7"),
+        )
+        .unwrap();
+        let v = serde_json::to_value(&pod).unwrap();
+        assert_eq!(
+            v["spec"]["nodeSelector"]["kubernetes.io/hostname"],
+            "node-7"
+        );
+        assert!(v["spec"].get("affinity").is_none() || v["spec"]["affinity"].is_null());
+        assert_eq!(
+            v["spec"]["volumes"][0]["persistentVolumeClaim"]["readOnly"],
+            false
+        );
+    }
+}
