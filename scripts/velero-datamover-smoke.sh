@@ -16,7 +16,8 @@
 # dynamic-pv-restore label) and byte-identical (tree sha256), the pod running again, nothing
 # exposed and no unbound volume left. Then Velero's own node agent in place of ours: it restores
 # the agent's backup, and moves a backup the agent then restores, byte-identical both ways. Then
-# the faults: spec.cancel on an InProgress DataUpload
+# the faults: an exposure that never becomes ready (Failed after --data-mover-prepare-timeout,
+# nothing left), spec.cancel on an InProgress DataUpload
 # (Canceled, kopia stopped, nothing left, the Backup PartiallyFailed) and the agent's pod deleted
 # mid-transfer (its kopia stopped, the new pod runs the DataUpload again to Completed).
 #
@@ -374,6 +375,32 @@ check "restart: Backup b-restart Completed" [ "$(k -n "$VNS" get backup b-restar
 settle 60 nothing_left || true
 check "restart: nothing exposed left: $(left_objects | tr '\n' ' ')" nothing_left
 check "restart: no kopia left on the node" no_kopia
+step_end
+
+# --- an exposure that never becomes ready ------------------------------------------------------------
+# The ConfigMap's backupPVC sends the snapshot's claim to a storage class that does not exist: the
+# claim stays Pending, the hold pod unschedulable. With --data-mover-prepare-timeout 20s the
+# DataUpload ends Failed saying so, and everything exposed is removed.
+step_begin "an exposure that never becomes ready: --data-mover-prepare-timeout 20s, backupPVC to a missing class"
+k -n "$VNS" create configmap node-agent-config-2 --from-literal=node-agent-config.json='{
+  "backupPVC": {"podvolume-csi": {"storageClass": "no-such-class"}}}' >/dev/null
+old_pod=$ds_pod
+save_agent_log
+k -n "$VNS" set env daemonset/node-agent NODE_AGENT_CONFIGMAP=node-agent-config-2 DATA_MOVER_PREPARE_TIMEOUT=20s >/dev/null
+wait_until 180 "the agent's pod replaced with the new settings" new_ready
+ds_uid=$(k -n "$VNS" get pod "$ds_pod" -o jsonpath='{.metadata.uid}')
+rm -f "$bigdir/zeros.img"
+"${vel_cmd[@]}" backup create b-unready --include-namespaces "$BIG" --snapshot-move-data >/dev/null 2>&1 || die "velero backup create b-unready failed"
+settle 180 du_ended b-unready || true
+msg=$(du_of b-unready status.message)
+echo "  b-unready: DataUpload $(du_of b-unready status.phase): $msg"
+check "prepare timeout: the DataUpload Failed" [ "$(du_of b-unready status.phase)" = Failed ]
+check "prepare timeout: its message says why (not mounted within 20s; the claim Pending)" \
+  python3 -c 'import sys; m=sys.argv[1]; sys.exit(not ("within 20s" in m and "Pending" in m))' "$msg"
+settle 60 nothing_left || true
+check "prepare timeout: nothing exposed left: $(left_objects | tr '\n' ' ')" nothing_left
+settle 120 backup_ended b-unready || true
+check "prepare timeout: Backup b-unready ended PartiallyFailed" [ "$(k -n "$VNS" get backup b-unready -o jsonpath='{.status.phase}')" = PartiallyFailed ]
 step_end
 
 save_agent_log
