@@ -395,8 +395,8 @@ settle 180 du_ended b-unready || true
 msg=$(du_of b-unready status.message)
 echo "  b-unready: DataUpload $(du_of b-unready status.phase): $msg"
 check "prepare timeout: the DataUpload Failed" [ "$(du_of b-unready status.phase)" = Failed ]
-check "prepare timeout: its message says why (not mounted within 20s; the claim Pending)" \
-  python3 -c 'import sys; m=sys.argv[1]; sys.exit(not ("within 20s" in m and "Pending" in m))' "$msg"
+check "prepare timeout: its message says why (not mounted within 20s; the claim Pending, its class missing)" \
+  python3 -c 'import sys; m=sys.argv[1]; sys.exit(not ("within 20s" in m and "Pending" in m and "StorageClass no-such-class does not exist" in m))' "$msg"
 settle 60 nothing_left || true
 check "prepare timeout: nothing exposed left: $(left_objects | tr '\n' ' ')" nothing_left
 settle 120 backup_ended b-unready || true

@@ -69,12 +69,27 @@ pub async fn why_not_running<K: ResourceExt>(ctx: &Context, du: &K) -> String {
     let mut parts = Vec::new();
     let pvcs: Api<PersistentVolumeClaim> = Api::namespaced(ctx.client.clone(), &ns);
     match pvcs.get_opt(&name).await {
-        Ok(Some(pvc)) => parts.push(format!(
-            "claim {ns}/{name} {}",
-            pvc.status
+        Ok(Some(pvc)) => {
+            let phase = pvc
+                .status
                 .and_then(|s| s.phase)
-                .unwrap_or_else(|| "(no phase)".into())
-        )),
+                .unwrap_or_else(|| "(no phase)".into());
+            let mut s = format!("claim {ns}/{name} {phase}");
+            // The commonest cause of a claim that never binds: a class that is not there (a
+            // ConfigMap backupPVC naming one, say).
+            if let Some(class) = pvc
+                .spec
+                .and_then(|s| s.storage_class_name)
+                .filter(|c| !c.is_empty())
+            {
+                let classes: Api<k8s_openapi::api::storage::v1::StorageClass> =
+                    Api::all(ctx.client.clone());
+                if let Ok(None) = classes.get_opt(&class).await {
+                    s.push_str(&format!(" (its StorageClass {class} does not exist)"));
+                }
+            }
+            parts.push(s);
+        }
         Ok(None) => parts.push(format!("claim {ns}/{name} missing")),
         Err(e) => parts.push(format!("claim {ns}/{name} unreadable ({e})")),
     }
