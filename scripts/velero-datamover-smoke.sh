@@ -17,7 +17,8 @@
 # exposed and no unbound volume left. Then Velero's own node agent in place of ours: it restores
 # the agent's backup, and moves a backup the agent then restores, byte-identical both ways. Then
 # the faults: an exposure that never becomes ready (Failed after --data-mover-prepare-timeout,
-# nothing left), spec.cancel on an InProgress DataUpload
+# nothing left), a DataUpload left InProgress on a node that is gone (ended Failed by the agent),
+# spec.cancel on an InProgress DataUpload
 # (Canceled, kopia stopped, nothing left, the Backup PartiallyFailed) and the agent's pod deleted
 # mid-transfer (its kopia stopped, the new pod runs the DataUpload again to Completed).
 #
@@ -401,6 +402,42 @@ settle 60 nothing_left || true
 check "prepare timeout: nothing exposed left: $(left_objects | tr '\n' ' ')" nothing_left
 settle 120 backup_ended b-unready || true
 check "prepare timeout: Backup b-unready ended PartiallyFailed" [ "$(k -n "$VNS" get backup b-unready -o jsonpath='{.status.phase}')" = PartiallyFailed ]
+step_end
+
+# --- a node lost mid-transfer ------------------------------------------------------------------
+# A DataUpload InProgress on a node that no longer exists (as Velero's node agent or ours left it
+# when the node went away): nobody would ever end it. The agent of any other node ends it Failed
+# with the cause and releases its finalizer, so the object can go with its backup.
+step_begin "a node lost mid-transfer: a DataUpload InProgress on a node that no longer exists"
+k apply -f - >/dev/null <<YAML
+apiVersion: velero.io/v2alpha1
+kind: DataUpload
+metadata:
+  name: du-lost-node
+  namespace: $VNS
+  finalizers: [velero.io/data-upload-download-finalizer]
+  labels: {velero.io/backup-name: b-lost-node}
+spec:
+  snapshotType: CSI
+  csiSnapshot: {volumeSnapshot: velero-gone-abcde, storageClass: podvolume-csi, snapshotClass: podvolume-csi}
+  sourcePVC: big
+  sourceNamespace: $BIG
+  backupStorageLocation: default
+  operationTimeout: 10m0s
+status:
+  phase: InProgress
+  node: dm-gone
+  acceptedByNode: dm-gone
+  startTimestamp: "2026-01-01T00:00:00Z"
+  progress: {totalBytes: 1000, bytesDone: 500}
+YAML
+lost_ended() { [ "$(k -n "$VNS" get datauploads du-lost-node -o jsonpath='{.status.phase}')" = Failed ]; }
+settle 60 lost_ended || true
+msg=$(k -n "$VNS" get datauploads du-lost-node -o jsonpath='{.status.message}')
+echo "  du-lost-node: $(k -n "$VNS" get datauploads du-lost-node -o jsonpath='{.status.phase}'): $msg"
+check "node lost: the DataUpload ended Failed, saying node dm-gone no longer exists" \
+  python3 -c 'import sys; sys.exit("node dm-gone no longer exists" not in sys.argv[1])' "$msg"
+check "node lost: its finalizer released" [ -z "$(k -n "$VNS" get datauploads du-lost-node -o jsonpath='{.metadata.finalizers}')" ]
 step_end
 
 save_agent_log

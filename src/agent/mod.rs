@@ -16,6 +16,7 @@ pub mod kopia_repository;
 pub mod metrics;
 pub mod movement;
 pub mod node_agent_config;
+pub mod node_health;
 pub mod opsapi;
 pub mod owner;
 pub mod phases;

@@ -131,6 +131,23 @@ pub async fn reconcile<K: Movement>(obj: Arc<K>, ctx: Arc<Context>) -> Result<Ac
         // Prepared, InProgress, Canceling: the node whose kubelet mounts the volume runs it.
         _ => {
             if !is_us(&ctx, obj.node()) {
+                // Another node's. If that node is lost, nobody would ever end it (its hold pod
+                // and claim would stay too): any agent ends it, with the cause.
+                let Some(node) = obj.node() else {
+                    return Ok(Action::await_change());
+                };
+                let lost = match super::node_health::lost(&ctx.client, node).await {
+                    Some(why) => why,
+                    None => return Ok(Action::requeue(super::node_health::CHECK_EVERY)),
+                };
+                if obj.cancel_requested() {
+                    let message = format!("canceled; {lost}, which was moving the data");
+                    cancel_unstarted(&ctx, &*obj, &message).await;
+                } else {
+                    let message =
+                        format!("{lost}, which was moving the data: it cannot be finished there");
+                    fail_unstarted(&ctx, &*obj, message).await;
+                }
                 return Ok(Action::await_change());
             }
             reconcile::saved_cancel_claim_submit(obj, ctx, K::run).await
