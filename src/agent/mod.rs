@@ -85,6 +85,8 @@ pub struct Context {
     pub dd_phases: Arc<phases::KindPhases>,
     /// The DataUpload/DataDownload exposures this node runs.
     pub exposing: movement::Exposing,
+    /// What this agent last found about other nodes (data movement on a lost node is ended).
+    pub nodes: node_health::NodeHealth,
     /// Velero's node-agent ConfigMap (`--node-agent-configmap`), as read at start.
     pub node_agent_config: Arc<node_agent_config::NodeAgentConfigs>,
     /// Every DataUpload and DataDownload of the namespace (the watches' caches), to count the
@@ -791,6 +793,7 @@ pub async fn run(args: RunArgs) -> i32 {
         dd_phases: Arc::new(phases::KindPhases::new("DataDownload")),
         exposing: movement::Exposing::default(),
         node_agent_config: node_agent_config.clone(),
+        nodes: node_health::NodeHealth::default(),
         data_movements,
         args: args.clone(),
     });

@@ -136,7 +136,7 @@ pub async fn reconcile<K: Movement>(obj: Arc<K>, ctx: Arc<Context>) -> Result<Ac
                 let Some(node) = obj.node() else {
                     return Ok(Action::await_change());
                 };
-                let lost = match super::node_health::lost(&ctx.client, node).await {
+                let lost = match ctx.nodes.lost(&ctx.client, node).await {
                     Some(why) => why,
                     None => return Ok(Action::requeue(super::node_health::CHECK_EVERY)),
                 };

@@ -14,15 +14,37 @@ pub const LOST_AFTER: Duration = Duration::from_secs(300);
 /// How often an agent looks at the node of another node's transfer (one read per object).
 pub const CHECK_EVERY: Duration = Duration::from_secs(300);
 
-/// Why `node` is lost, or None (healthy, or its state cannot be read: nothing is ended then).
-pub async fn lost(client: &Client, node: &str) -> Option<String> {
-    let api: Api<Node> = Api::all(client.clone());
-    match api.get_opt(node).await {
-        Ok(n) => why_lost(node, n.as_ref(), SystemTime::now()),
-        Err(e) => {
-            tracing::debug!(error = %e, "cannot read Node {node}");
-            None
+/// How long a node's verdict is reused: every progress write of another node's transfer
+/// reaches every agent's reconcile, and must not cost a read of its Node each time.
+const REUSE_FOR: Duration = Duration::from_secs(60);
+
+/// The nodes this agent has looked at lately, and what it found.
+#[derive(Default)]
+pub struct NodeHealth {
+    seen: std::sync::Mutex<std::collections::HashMap<String, (std::time::Instant, Option<String>)>>,
+}
+
+impl NodeHealth {
+    /// Why `node` is lost, or None (healthy, or its state cannot be read: nothing is ended
+    /// then). One read of the Node per minute at most.
+    pub async fn lost(&self, client: &Client, node: &str) -> Option<String> {
+        if let Some((at, why)) = self.seen.lock().expect("node health").get(node)
+            && at.elapsed() < REUSE_FOR
+        {
+            return why.clone();
         }
+        let api: Api<Node> = Api::all(client.clone());
+        let why = match api.get_opt(node).await {
+            Ok(n) => why_lost(node, n.as_ref(), SystemTime::now()),
+            Err(e) => {
+                tracing::debug!(error = %e, "cannot read Node {node}");
+                return None;
+            }
+        };
+        let mut seen = self.seen.lock().expect("node health");
+        seen.retain(|_, (at, _)| at.elapsed() < REUSE_FOR);
+        seen.insert(node.to_string(), (std::time::Instant::now(), why.clone()));
+        why
     }
 }
 
