@@ -554,7 +554,7 @@ async fn cancel_backup_cancels_only_its_unfinished_volumes() {
     let (code, _, err) = run(&env, &["cancel", "backup", "nope"]).await;
     assert_eq!(code, 1);
     assert!(
-        err.contains("no podvolumebackups labelled velero.io/backup-name=nope"),
+        err.contains("no podvolumebackups or datauploads labelled velero.io/backup-name=nope"),
         "{err}"
     );
     env.cleanup().await;

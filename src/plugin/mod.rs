@@ -156,7 +156,15 @@ impl View {
             let api = source::api(client, self.kind, feed, &self.namespace);
             let objects = match source::list(&api, self.kind, feed, &self.selector).await {
                 Ok(o) => o,
-                Err(e) if feed == Feed::DataMovement && source::not_served(&e) => continue,
+                Err(e) if feed == Feed::DataMovement => match source::data_movement_skipped(&e) {
+                    Some(warning) => {
+                        if let Some(w) = warning {
+                            eprintln!("{w}");
+                        }
+                        continue;
+                    }
+                    None => return Err(e),
+                },
                 Err(e) => return Err(e),
             };
             feeds.push(feed);
@@ -372,7 +380,14 @@ async fn cancel(client: &Client, kind: Kind, ns: &str, name: &str) -> Result<i32
                     .filter_map(|o| Volume::from_object(kind, o))
                     .map(|v| (feed, v)),
             ),
-            Err(e) if feed == Feed::DataMovement && source::not_served(&e) => {}
+            Err(e) if feed == Feed::DataMovement => match source::data_movement_skipped(&e) {
+                Some(warning) => {
+                    if let Some(w) = warning {
+                        eprintln!("{w}");
+                    }
+                }
+                None => return Err(e),
+            },
             Err(e) => return Err(e),
         }
     }

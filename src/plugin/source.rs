@@ -73,9 +73,17 @@ pub fn api(client: &Client, kind: Kind, feed: Feed, namespace: &str) -> Api<Dyna
     Api::namespaced_with(client.clone(), namespace, &resource)
 }
 
-/// Whether an error says the resource is not served (Velero < 1.12 has no data movement kinds).
-pub fn not_served(e: &str) -> bool {
-    e.starts_with("the API server does not serve")
+/// Whether a list error of the data movement kinds means "show pod volumes only": they are not
+/// served (Velero < 1.12), or the user may read pod volumes but not them (a Role written before
+/// data movement existed). Some(warning) for the second, shown once; None: a real error.
+pub fn data_movement_skipped(e: &str) -> Option<Option<String>> {
+    if e.starts_with("the API server does not serve") {
+        Some(None)
+    } else if e.starts_with("forbidden:") {
+        Some(Some(format!("warning: moved CSI snapshots not shown: {e}")))
+    } else {
+        None
+    }
 }
 
 /// The label selector for one Velero backup/restore, or for all of them.
