@@ -208,13 +208,7 @@ async fn prepare(
             target,
             limit_download_kib: None,
             // The restore's uploaderConfig, as Velero's data mover reads it.
-            kopia: crate::uploader::kopia::RestoreOptions {
-                write_sparse_files: setting("WriteSparseFiles")
-                    .is_some_and(|v| v.eq_ignore_ascii_case("true")),
-                parallel: setting("ParallelFilesDownload")
-                    .and_then(|v| v.parse().ok())
-                    .filter(|n| *n > 0),
-            },
+            kopia: super::restore::kopia_restore_options(setting),
         },
         location,
     ))

@@ -269,17 +269,25 @@ async fn prepare(
             target,
             limit_download_kib: None,
             // Velero's uploaderSettings for a restore.
-            kopia: crate::uploader::kopia::RestoreOptions {
-                write_sparse_files: setting("WriteSparseFiles")
-                    .is_some_and(|v| v.eq_ignore_ascii_case("true")),
-                parallel: setting("ParallelFilesDownload")
-                    .and_then(|v| v.parse().ok())
-                    .filter(|n| *n > 0),
-            },
+            kopia: kopia_restore_options(setting),
         },
         restore_uid(pvr),
         location,
     ))
+}
+
+/// kopia's restore settings from Velero's restore settings (a PodVolumeRestore's
+/// `uploaderSettings`, a DataDownload's `dataMoverConfig`: the restore's uploaderConfig).
+pub fn kopia_restore_options(
+    setting: impl Fn(&str) -> Option<String>,
+) -> crate::uploader::kopia::RestoreOptions {
+    crate::uploader::kopia::RestoreOptions {
+        write_sparse_files: setting("WriteSparseFiles")
+            .is_some_and(|v| v.eq_ignore_ascii_case("true")),
+        parallel: setting("ParallelFilesDownload")
+            .and_then(|v| v.parse().ok())
+            .filter(|n| *n > 0),
+    }
 }
 
 #[cfg(test)]
