@@ -942,15 +942,13 @@ async fn a_restore_of_a_snapshot_id_that_is_not_one_is_refused() {
 // --- races, with scripted stand-ins -------------------------------------------------------------
 
 /// A one-off stand-in for kopia: `repository connect` runs `connect` (sh code), every other
-/// command runs `body`. `$MARK` is a path the test can wait for. Each call is appended to
-/// `calls.log` in the bed.
+/// command runs `body`. Each call is appended to `calls.log` in the bed.
 fn scripted_kopia(bed: &Bed, connect: &str, body: &str) -> PathBuf {
     let path = bed.path().join("scripted-kopia");
     std::fs::write(
         &path,
         format!(
-            "#!/bin/sh\nMARK='{}'\necho \"$$ $*\" >> '{}'\nif [ \"$1 $2\" = 'repository connect' ]; then\n{connect}\nfi\n{body}\n",
-            bed.path().join("uploader-exited").display(),
+            "#!/bin/sh\necho \"$$ $*\" >> '{}'\nif [ \"$1 $2\" = 'repository connect' ]; then\n{connect}\nfi\n{body}\n",
             bed.path().join("calls.log").display(),
         ),
     )
@@ -966,14 +964,35 @@ fn scripted_engine(kopia: PathBuf) -> Arc<Engine> {
     })
 }
 
-async fn wait_for_mark(bed: &Bed) {
+/// Waits until the scripted kopia call whose arguments start with `command` has exited (a
+/// zombie or reaped). The test watches the process itself, in-process: a helper process of the
+/// script that waited for its parent could be killed by the runner's pipe-linger kill before it
+/// noticed, on a loaded machine.
+async fn wait_for_exit_of(bed: &Bed, command: &str) {
     tokio::time::timeout(TIMEOUT, async {
-        while !bed.path().join("uploader-exited").exists() {
-            tokio::time::sleep(Duration::from_millis(10)).await;
+        loop {
+            let call = calls(bed).into_iter().find(|(_, a)| a.starts_with(command));
+            if let Some((pid, _)) = call {
+                match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+                    Err(_) => return,
+                    Ok(stat)
+                        if stat
+                            .rsplit(')')
+                            .next()
+                            .unwrap_or("")
+                            .trim_start()
+                            .starts_with('Z') =>
+                    {
+                        return;
+                    }
+                    Ok(_) => {}
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
         }
     })
     .await
-    .unwrap_or_else(|_| panic!("the scripted kopia did not exit within {TIMEOUT:?}"));
+    .unwrap_or_else(|_| panic!("the scripted kopia's {command:?} did not exit within {TIMEOUT:?}"));
 }
 
 /// A cancel that arrives after kopia ended on its own (snapshot saved with an unreadable entry,
@@ -989,13 +1008,13 @@ async fn a_cancel_after_kopia_ended_on_its_own_keeps_its_outcome() {
 printf '\n ! Error when processing "dir1/b.dat": unable to open file: unable to open local file: open dir1/b.dat: permission denied\n' >&2
 echo '{"id":"0123456789abcdef0123456789abcdef","rootEntry":{"summ":{"size":100,"files":2,"numFailed":1,"errors":[{"path":"dir1/b.dat","error":"permission denied"}]}}}'
 echo 'Found 1 fatal error(s) while snapshotting root@node:/source.' >&2
-(while kill -0 $$ 2>/dev/null; do sleep 0.01; done; touch "$MARK"; sleep 1) &
+sleep 3 &
 exit 1
 fi
 exit 1"#,
     );
     let op = scripted_engine(kopia).backup(backup_req(&bed, bed.access()));
-    wait_for_mark(&bed).await;
+    wait_for_exit_of(&bed, "snapshot create").await;
     tokio::time::sleep(Duration::from_millis(100)).await;
     assert!(!op.is_finished(), "ended before its pipes closed");
     let outcome = op.cancel().await;
@@ -1016,12 +1035,12 @@ async fn a_cancel_after_kopia_found_no_repository_creates_none() {
     let kopia = scripted_kopia(
         &bed,
         r#"echo 'error connecting to repository: repository not initialized in the provided storage' >&2
-(while kill -0 $$ 2>/dev/null; do sleep 0.01; done; touch "$MARK"; sleep 1) &
+sleep 3 &
 exit 1"#,
         "exit 0",
     );
     let op = scripted_engine(kopia).backup(backup_req(&bed, bed.access()));
-    wait_for_mark(&bed).await;
+    wait_for_exit_of(&bed, "repository connect").await;
     tokio::time::sleep(Duration::from_millis(100)).await;
     assert!(!op.is_finished(), "ended before its pipes closed");
     let outcome = op.cancel().await;
