@@ -666,7 +666,7 @@ async fn upgrade_014_to_018_in_one_repository_keeps_parents_and_restores() {
 }
 
 /// A stand-in for restic: a shell script that answers `version` with `version_line` and runs
-/// `body` (sh code; `$cmd` is the subcommand, `$MARK` a path the test can wait for) for every
+/// `body` (sh code; `$cmd` is the subcommand, `$MARK` a path for the fake's pid) for every
 /// other command. Every call is appended to `calls.log` in the bed.
 fn fake_restic(bed: &Bed, version_line: &str, body: &str) -> std::path::PathBuf {
     let path = bed.path().join("fake-restic");
@@ -700,12 +700,23 @@ fn fake_calls_log(bed: &Bed) -> std::path::PathBuf {
     bed.path().join("calls.log")
 }
 
-/// sh code that ends the fake's run with `code` while a background subshell keeps its pipes open
-/// for a second: once the fake itself is gone (reaped by the agent), the subshell creates `$MARK`.
+/// sh code that writes the fake's pid to `$MARK` and ends its run with `code` while a background
+/// `sleep` keeps its pipes open (until the runner's pipe-linger kill ends its group).
 fn exit_while_pipes_linger(code: i32) -> String {
-    format!(
-        "(while kill -0 $$ 2>/dev/null; do sleep 0.01; done; touch \"$MARK\"; sleep 1) &\nexit {code}"
-    )
+    format!("echo $$ > \"$MARK.tmp\" && mv \"$MARK.tmp\" \"$MARK\"\nsleep 3 &\nexit {code}")
+}
+
+/// True once process `pid` has exited (a zombie or reaped).
+fn has_exited(pid: &str) -> bool {
+    match std::fs::read_to_string(format!("/proc/{}/stat", pid.trim())) {
+        Err(_) => true,
+        Ok(stat) => stat
+            .rsplit(')')
+            .next()
+            .unwrap_or("")
+            .trim_start()
+            .starts_with('Z'),
+    }
 }
 
 fn fake_engine(binary: std::path::PathBuf) -> std::sync::Arc<podvolume_agent::engine::Engine> {
@@ -724,9 +735,16 @@ async fn cancel_after_the_uploader_exited(
     op: &Operation,
     bed: &Bed,
 ) -> std::sync::Arc<podvolume_agent::uploader::Outcome> {
+    // Watched in-process: a helper process of the fake that waited for its parent could be killed
+    // by the pipe-linger kill before it noticed, on a loaded machine.
     tokio::time::timeout(TIMEOUT, async {
-        while !fake_mark(bed).exists() {
-            tokio::time::sleep(Duration::from_millis(10)).await;
+        loop {
+            if let Ok(pid) = std::fs::read_to_string(fake_mark(bed))
+                && has_exited(&pid)
+            {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
         }
     })
     .await
