@@ -244,7 +244,7 @@ pub fn repository_location(
     let provider = Provider::of(spec);
     if provider == Provider::Other {
         return Err(format!(
-            "{what}: provider {:?} is not one Velero's kopia repositories live in (aws, azure, gcp, or any provider with config.s3Url)",
+            "{what}: provider {:?} is not one Velero's kopia repositories live in (aws, azure, gcp, velero.io/fs, or any provider with config.s3Url)",
             spec.provider
         ));
     }
@@ -258,6 +258,22 @@ pub fn repository_location(
     };
     let bucket = bucket.trim_matches('/').to_string();
     let prefix = prefix.trim_matches('/').to_string();
+    if provider == Provider::Fs {
+        // Velero's filesystem backend: <fspath>/<prefix>/kopia/<ns>, the bucket unused.
+        let root = spec.config.get("fspath").map(String::as_str).unwrap_or("");
+        if !root.starts_with('/') {
+            return Err(format!(
+                "{what}: provider velero.io/fs needs config.fspath, an absolute path (it is {root:?})"
+            ));
+        }
+        let path = [prefix.as_str(), "kopia", volume_namespace]
+            .iter()
+            .filter(|p| !p.is_empty())
+            .copied()
+            .collect::<Vec<_>>()
+            .join("/");
+        return Ok((format!("{}/{path}", root.trim_end_matches('/')), None));
+    }
     if bucket.is_empty() {
         return Err(format!("{what}: no bucket (spec.objectStorage.bucket)"));
     }
@@ -307,6 +323,24 @@ mod tests {
 
     fn spec(v: serde_json::Value) -> StorageLocationSpec {
         serde_json::from_value(v).unwrap()
+    }
+
+    #[test]
+    fn velero_filesystem_locations_are_a_directory_under_fspath() {
+        let s = spec(serde_json::json!({
+            "provider": "velero.io/fs",
+            "objectStorage": {"bucket": "ignored", "prefix": "/cluster-a/"},
+            "config": {"fspath": "/mnt/backups/"},
+        }));
+        assert_eq!(
+            repository_location(&s, "BSL", "app").unwrap(),
+            ("/mnt/backups/cluster-a/kopia/app".to_string(), None)
+        );
+        let relative = spec(serde_json::json!({"provider": "fs", "config": {"fspath": "backups"}}));
+        let err = repository_location(&relative, "BSL", "app").unwrap_err();
+        assert!(err.contains("absolute path"), "{err}");
+        let missing = spec(serde_json::json!({"provider": "fs"}));
+        assert!(repository_location(&missing, "BSL", "app").is_err());
     }
 
     #[test]

@@ -51,6 +51,10 @@ pub enum Provider {
     Aws,
     Azure,
     Gcp,
+    /// `velero.io/fs`: Velero's own filesystem backend for kopia repositories (`config.fspath`, a
+    /// path the node agent's container sees). No credentials. Velero's server has no object store
+    /// plugin for it, so it serves tests and benchmarks rather than production backups.
+    Fs,
     /// A plugin's own provider: no extra environment (its repository needs none we know of).
     Other,
 }
@@ -63,6 +67,7 @@ impl Provider {
             "aws" => Provider::Aws,
             "azure" => Provider::Azure,
             "gcp" => Provider::Gcp,
+            "fs" => Provider::Fs,
             _ if spec.config.get("s3Url").is_some_and(|u| !u.is_empty()) => Provider::Aws,
             _ => Provider::Other,
         }
@@ -263,7 +268,7 @@ async fn build(
         .get("insecureSkipTLSVerify")
         .is_some_and(|v| v.eq_ignore_ascii_case("true"));
 
-    if provider == Provider::Other {
+    if matches!(provider, Provider::Other | Provider::Fs) {
         access.files = files.created.take();
         return Ok(access);
     }
@@ -317,7 +322,7 @@ async fn build(
                 ("AZURE_ENDPOINT_SUFFIX".to_string(), azure.endpoint_suffix),
             ]);
         }
-        Provider::Other => {}
+        Provider::Other | Provider::Fs => {}
     }
     access.files = files.created.take();
     Ok(access)
