@@ -194,10 +194,24 @@ pub async fn run(
     if let Some(dir) = &spec.cwd {
         cmd.current_dir(dir);
     }
-    let mut child = cmd.spawn().map_err(|source| Error::Spawn {
-        program: spec.program.display().to_string(),
-        source,
-    })?;
+    // ETXTBSY: the program is open for writing somewhere (being copied into place, or a write
+    // handle inherited by another thread's fork for the moment before its exec). It clears by
+    // itself; a few short retries turn it from a failed transfer into a delay of milliseconds.
+    let mut busy_retries = 0;
+    let mut child = loop {
+        match cmd.spawn() {
+            Err(e) if e.kind() == std::io::ErrorKind::ExecutableFileBusy && busy_retries < 20 => {
+                busy_retries += 1;
+                tokio::time::sleep(Duration::from_millis(10 * busy_retries)).await;
+            }
+            r => {
+                break r.map_err(|source| Error::Spawn {
+                    program: spec.program.display().to_string(),
+                    source,
+                })?;
+            }
+        }
+    };
     let pid = child.id().expect("a just-spawned child has a pid");
     let pgid = Pid::from_raw(pid as i32);
     let mut guard = GroupGuard { pgid: Some(pid) };
@@ -488,6 +502,36 @@ exit 1"#,
         );
         let kept: usize = c.stderr.iter().map(String::len).sum();
         assert!(kept <= CAPTURED_STDERR_BYTES, "{kept} bytes kept");
+    }
+
+    #[tokio::test]
+    async fn a_program_briefly_open_for_writing_is_started_once_it_is_closed() {
+        use std::io::Write;
+        use std::os::unix::fs::OpenOptionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let prog = dir.path().join("being-written");
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .mode(0o755)
+            .open(&prog)
+            .unwrap();
+        f.write_all(b"#!/bin/sh\necho started\n").unwrap();
+        // Open for writing while the spawn is tried: ETXTBSY until it is closed.
+        let writer = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(100));
+            drop(f);
+        });
+        let c = capture(
+            &ChildSpec::new(&prog, Vec::new()),
+            &CancellationToken::new(),
+            Duration::from_secs(5),
+        )
+        .await
+        .unwrap();
+        writer.join().unwrap();
+        assert_eq!(c.exit.code, Some(0));
+        assert_eq!(c.stdout, b"started");
     }
 
     #[tokio::test]
