@@ -512,7 +512,7 @@ exit 1"#,
         let prog = dir.path().join("being-written");
         let mut f = std::fs::OpenOptions::new()
             .write(true)
-            .create(true)
+            .create_new(true)
             .mode(0o755)
             .open(&prog)
             .unwrap();
