@@ -131,6 +131,11 @@ pub struct RunArgs {
     pub restic_binary: PathBuf,
     #[arg(long, env = "KOPIA_BINARY", default_value = "kopia")]
     pub kopia_binary: PathBuf,
+    /// kopia's cache of one repository on this node (content and metadata, MB; 4/5 and 1/5, soft
+    /// and hard limits), in the scratch directory: Velero's default. A BackupRepository's
+    /// `spec.repositoryConfig.cacheLimitMB` (Velero's backup repository ConfigMap) overrides it.
+    #[arg(long, env = "KOPIA_CACHE_LIMIT_MB", default_value_t = 5000, value_parser = clap::value_parser!(u64).range(1..))]
+    pub kopia_cache_limit_mb: u64,
     /// Uploader for objects whose `spec.uploaderType` is empty.
     #[arg(long, env = "DEFAULT_UPLOADER", value_enum, default_value_t = UploaderKind::Restic)]
     pub default_uploader: UploaderKind,

@@ -66,6 +66,7 @@ fn access(common: &CommonArgs) -> Result<RepositoryAccess, String> {
         ca_cert,
         insecure_tls: common.insecure_tls,
         restic_options: common.restic_options.clone(),
+        kopia_cache_limit_mb: None,
     })
 }
 

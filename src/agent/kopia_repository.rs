@@ -52,14 +52,32 @@ fn selectable(v: &str) -> bool {
     !v.is_empty() && v.len() <= 63
 }
 
-/// The Ready kopia BackupRepository of (`volume_namespace`, `location`) in `namespace`; its name.
+/// A Ready kopia BackupRepository, as far as the agent uses it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReadyRepository {
+    pub name: String,
+    /// `spec.repositoryConfig.cacheLimitMB` (from Velero's backup repository ConfigMap): the
+    /// kopia cache of this repository on a node, in MB.
+    pub cache_limit_mb: Option<u64>,
+}
+
+/// `spec.repositoryConfig.cacheLimitMB` as Velero reads it (a decimal string; anything else,
+/// or zero, is no limit of the repository's own).
+fn cache_limit_mb(spec: &serde_json::Value) -> Option<u64> {
+    spec["repositoryConfig"]["cacheLimitMB"]
+        .as_str()
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .filter(|v| *v > 0)
+}
+
+/// The Ready kopia BackupRepository of (`volume_namespace`, `location`) in `namespace`.
 /// Missing, several, or not Ready: an error naming what was looked for, and what Velero says.
 pub async fn ready_repository(
     client: &Client,
     namespace: &str,
     volume_namespace: &str,
     location: &str,
-) -> Result<String, RepositoryError> {
+) -> Result<ReadyRepository, RepositoryError> {
     let gvk = GroupVersionKind::gvk("velero.io", "v1", "BackupRepository");
     let api: Api<DynamicObject> =
         Api::namespaced_with(client.clone(), namespace, &ApiResource::from_gvk(&gvk));
@@ -119,7 +137,10 @@ pub async fn ready_repository(
     };
     let name = repo.metadata.name.clone().unwrap_or_default();
     match field(repo, "status", "phase").as_str() {
-        "Ready" => Ok(name),
+        "Ready" => Ok(ReadyRepository {
+            name,
+            cache_limit_mb: cache_limit_mb(&repo.data["spec"]),
+        }),
         phase => {
             let message = field(repo, "status", "message");
             let phase = if phase.is_empty() { "New" } else { phase };
@@ -170,7 +191,7 @@ pub async fn ensure_repository(
     volume_namespace: &str,
     location: &str,
     within: std::time::Duration,
-) -> Result<String, String> {
+) -> Result<ReadyRepository, String> {
     match ready_repository(client, namespace, volume_namespace, location).await {
         Err(e) if e.missing => {}
         other => return other.map_err(|e| e.message),
@@ -323,6 +344,16 @@ mod tests {
 
     fn spec(v: serde_json::Value) -> StorageLocationSpec {
         serde_json::from_value(v).unwrap()
+    }
+
+    #[test]
+    fn the_cache_limit_is_the_repositorys_own_when_velero_gave_one() {
+        let spec = |v| serde_json::json!({"repositoryConfig": {"cacheLimitMB": v}});
+        assert_eq!(cache_limit_mb(&spec(serde_json::json!("2048"))), Some(2048));
+        assert_eq!(cache_limit_mb(&spec(serde_json::json!(" 10 "))), Some(10));
+        assert_eq!(cache_limit_mb(&spec(serde_json::json!("0"))), None);
+        assert_eq!(cache_limit_mb(&spec(serde_json::json!("lots"))), None);
+        assert_eq!(cache_limit_mb(&serde_json::json!({})), None);
     }
 
     #[test]

@@ -169,6 +169,7 @@ pub async fn repository_access(
     } else {
         storage::LocationAccess::default()
     };
+    let mut cache_limit_mb = ctx.args.kopia_cache_limit_mb;
     let repository = if velero_kopia {
         let name = match ensure_within {
             Some(within) => {
@@ -196,7 +197,8 @@ pub async fn repository_access(
         if let Some(r) = region {
             location_access.extra_env.push(("AWS_REGION".into(), r));
         }
-        tracing::info!(backup_repository = %name, repository = %url, "Velero's kopia repository");
+        tracing::info!(backup_repository = %name.name, repository = %url, "Velero's kopia repository");
+        cache_limit_mb = name.cache_limit_mb.unwrap_or(ctx.args.kopia_cache_limit_mb);
         url
     } else {
         repo.to_string()
@@ -217,6 +219,7 @@ pub async fn repository_access(
             ca_cert: location_access.ca_cert.clone(),
             insecure_tls: location_access.insecure_tls,
             restic_options: ctx.args.restic_options.clone(),
+            kopia_cache_limit_mb: Some(cache_limit_mb),
         },
         location_access,
     ))

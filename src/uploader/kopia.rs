@@ -491,7 +491,27 @@ fn repository_command(access: &RepositoryAccess, verb: &str) -> Result<KopiaInvo
     if verb == "create" {
         inv = inv.arg("--no-auto-maintenance");
     }
+    for flag in cache_limit_flags(access.kopia_cache_limit_mb) {
+        inv = inv.arg(flag);
+    }
     Ok(inv.arg(cache))
+}
+
+/// The cache bound of a connection, split as Velero 1.18's kopia connection splits its
+/// `cacheLimitMB`: 4/5 for content and 1/5 for metadata as hard limits, 4/5 of each as the size
+/// kopia sweeps down to.
+fn cache_limit_flags(limit_mb: Option<u64>) -> Vec<String> {
+    let Some(limit) = limit_mb else {
+        return Vec::new();
+    };
+    let content = (limit / 5 * 4).max(1);
+    let metadata = (limit / 5).max(1);
+    vec![
+        format!("--content-cache-size-mb={}", (content / 5 * 4).max(1)),
+        format!("--content-cache-size-limit-mb={content}"),
+        format!("--metadata-cache-size-mb={}", (metadata / 5 * 4).max(1)),
+        format!("--metadata-cache-size-limit-mb={metadata}"),
+    ]
 }
 
 /// `kopia repository connect filesystem --path=<repo>`: writes our private config file.
@@ -1375,6 +1395,21 @@ mod tests {
 
     /// Azure and GCS in restic's forms: the account, key and domain go to kopia's variables
     /// (never argv), the CA into a bundle kopia's Go TLS reads through SSL_CERT_FILE.
+    #[test]
+    fn the_cache_limit_is_split_as_velero_splits_it() {
+        assert_eq!(
+            cache_limit_flags(Some(5000)),
+            [
+                "--content-cache-size-mb=3200",
+                "--content-cache-size-limit-mb=4000",
+                "--metadata-cache-size-mb=800",
+                "--metadata-cache-size-limit-mb=1000",
+            ]
+        );
+        assert!(cache_limit_flags(None).is_empty());
+        assert!(cache_limit_flags(Some(1)).iter().all(|f| f.ends_with("=1")));
+    }
+
     #[test]
     fn azure_and_gcs_repositories_connect_with_keys_in_the_environment() {
         assert_eq!(

@@ -284,6 +284,9 @@ pub struct RepositoryAccess {
     pub insecure_tls: bool,
     /// restic's extended options (`-o KEY=VALUE`), given by the operator.
     pub restic_options: Vec<String>,
+    /// kopia's cache of this repository, content and metadata together, in MB (split as Velero
+    /// splits its `cacheLimitMB`: 4/5 content, 1/5 metadata); `None`: kopia's own defaults.
+    pub kopia_cache_limit_mb: Option<u64>,
 }
 
 /// A snapshot ID from outside (an API object) as error messages show it: cut to a few dozen

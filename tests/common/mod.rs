@@ -58,6 +58,9 @@ impl Bed {
             password_file: self.password_file.clone(),
             cache_dir: self.cache.clone(),
             extra_env: Vec::new(),
+            // As the node agent connects (its default, Velero's): every kopia version under
+            // test must accept the cache-limit flags on `repository connect|create`.
+            kopia_cache_limit_mb: Some(5000),
             ..Default::default()
         }
     }
