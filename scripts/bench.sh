@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # Runs the benchmarks and writes BENCHMARKS.md (the figures the README quotes).
 #
-#   scripts/bench.sh            full run (the documented numbers; about 45 minutes on 2 CPUs)
+#   scripts/bench.sh            full run (the documented numbers; about 4 hours on 2 CPUs, 3 of them
+#                               case 9's 4 GiB and 200,000-file volumes against Velero's data path)
 #   scripts/bench.sh --quick    small sizes and few runs, a fast check that everything works
 #   scripts/bench.sh --capture  also re-capture testdata/restic-streams/ with the installed restic
 #
 # Needs restic on PATH (or RESTIC=/path/to/restic), kopia (KOPIA=..., else scripts/install-kopia.sh
 # builds the pinned one), the control plane of cases 4b and 5 (scripts/install-control-plane.sh)
 # and Velero 1.18.3 for its CRDs (scripts/install-velero.sh; both build once, cached) and /proc;
-# case 8 (scripts/bench-datamover.sh: CSI data movement on a real node, about 10 minutes) needs root.
+# case 8 (scripts/bench-datamover.sh: CSI data movement on a real node, about 10 minutes) and
+# case 9 (scripts/bench-velero-path.sh: against Velero 1.18's own data path) need root.
 # Work files go to a temporary
 # directory under BENCH_WORK_PARENT (default /var/tmp: a real disk, not tmpfs), removed at the end.
 set -euo pipefail
@@ -71,6 +73,12 @@ if [ "$(id -u)" -eq 0 ]; then
 else
   printf '## 8. CSI snapshot data movement (DataUploads) on the real node\n\nNot run: it runs a real node, which needs root.\n' >"$parts/8.md"
 fi
+echo "case 9: the agent against Velero 1.18's own data path (scripts/bench-velero-path.sh)" >&2
+if [ "$(id -u)" -eq 0 ]; then
+  KOPIA="$KOPIA" scripts/bench-velero-path.sh $quick_flag --out "$parts/9.md" >&2
+else
+  printf '## 9. agent vs Velero 1.18 data path\n\nNot run: Velero'"'"'s data path runs in a mount namespace of its own, which needs root.\n' >"$parts/9.md"
+fi
 echo "cases 4b and 5: the agent against a real kube-apiserver" >&2
 agent_bench() {
   bench agent --restic "$RESTIC" --agent "$CARGO_TARGET_DIR/release/podvolume-agent" \
@@ -109,6 +117,6 @@ mem_kib="$(sed -n 's/^MemTotal:[[:space:]]*\([0-9]*\) kB/\1/p' /proc/meminfo)"
   echo "The machine is shared and noisy: read the medians and the ratios (measured in the same"
   echo "run, alternating), not single absolute times."
   echo
-  cat "$parts/1-2.md" "$parts/3.md" "$parts/4.md" "$parts/4b-5.md" "$parts/5b.md" "$parts/6.md" "$parts/7.md" "$parts/8.md"
+  cat "$parts/1-2.md" "$parts/3.md" "$parts/4.md" "$parts/4b-5.md" "$parts/5b.md" "$parts/6.md" "$parts/7.md" "$parts/8.md" "$parts/9.md"
 } > "$OUT"
 echo "wrote $OUT" >&2

@@ -12,13 +12,16 @@
 # not land in the host's /dev. The message is copied to <work dir>/termination-log. Exit status:
 # the data path's (0 completed, 1 failed). The caller gives the environment (NODE_NAME, TMPDIR,
 # HOME, AWS_SHARED_CREDENTIALS_FILE, VELERO_NAMESPACE) and the flags after `--` are passed on.
+# A restore's kopia cache (the data-path pod's cache volume) is <work dir>/cache, or
+# $VDP_CACHE_VOLUME (the benchmark keeps one across restores for its warm-cache rows).
 set -euo pipefail
 [ $# -ge 5 ] || { echo "usage: $0 <work dir> <velero> backup|restore <object> <volume path> [-- velero flags...]" >&2; exit 2; }
 work=$1 velero=$2 kind=$3 object=$4 volume=$5; shift 5
 [ "${1:-}" != -- ] || shift
 case $kind in
   backup) flags=(--pod-volume-backup="$object") ;;
-  restore) mkdir -p "$work/cache"; flags=(--pod-volume-restore="$object" --cache-volume-path="$work/cache") ;;
+  restore) cache=${VDP_CACHE_VOLUME:-$work/cache}; mkdir -p "$cache"
+    flags=(--pod-volume-restore="$object" --cache-volume-path="$cache") ;;
   *) echo "$0: backup or restore, not '$kind'" >&2; exit 2 ;;
 esac
 mkdir -p "$work/olddev"
