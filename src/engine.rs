@@ -618,32 +618,107 @@ impl Engine {
     }
 
     /// Connects kopia to the repository (its config lives in the private cache), creating the
-    /// repository when it is missing and that is allowed. `Ok(true)`: it was created.
+    /// repository when it is missing and that is allowed; a connection made with the same
+    /// settings before is reused (see `kopia::connection_is_current`).
     async fn kopia_connect(
         &self,
         access: &RepositoryAccess,
+        may_create: bool,
         tracking: &Shared,
         cancel: &CancellationToken,
-    ) -> Result<bool, Outcome> {
+    ) -> Result<KopiaConnection, Outcome> {
+        if kopia::connection_is_current(access) {
+            return Ok(KopiaConnection {
+                created: false,
+                reused: true,
+            });
+        }
+        kopia::forget_connection(access);
         let connected = self
             .kopia_repository_command(kopia::connect(access), tracking, cancel)
             .await;
-        match connected.kind {
-            OutcomeKind::Success => Ok(false),
+        let created = match connected.kind {
+            OutcomeKind::Success => false,
             // After a cancel request nothing new is started: the outcome is kopia's own.
-            _ if cancel.is_cancelled() => Err(connected),
-            OutcomeKind::RepositoryMissing if self.cfg.init_missing_repository => {
+            _ if cancel.is_cancelled() => return Err(connected),
+            OutcomeKind::RepositoryMissing if may_create && self.cfg.init_missing_repository => {
                 tracing::info!("kopia repository does not exist: creating it");
                 let created = self
                     .kopia_repository_command(kopia::create(access), tracking, cancel)
                     .await;
-                if created.kind.is_success() {
-                    Ok(true)
-                } else {
-                    Err(created)
+                if !created.kind.is_success() {
+                    return Err(created);
                 }
+                true
             }
-            _ => Err(connected),
+            _ => return Err(connected),
+        };
+        kopia::remember_connection(access);
+        Ok(KopiaConnection {
+            created,
+            reused: false,
+        })
+    }
+
+    /// Runs `attempt` on a connection; when it fails on a reused one (the repository recreated in
+    /// place, keys or CA changed under the same settings...), connects afresh and runs it again.
+    async fn kopia_connected<F, Fut>(
+        &self,
+        access: &RepositoryAccess,
+        may_create: bool,
+        tracking: &Shared,
+        cancel: &CancellationToken,
+        attempt: F,
+    ) -> Outcome
+    where
+        F: Fn() -> Fut,
+        Fut: std::future::Future<Output = Outcome>,
+    {
+        let conn = match self
+            .kopia_connect(access, may_create, tracking, cancel)
+            .await
+        {
+            Ok(c) => c,
+            Err(failed) => return failed,
+        };
+        if cancel.is_cancelled() {
+            return Outcome::canceled("canceled before the uploader started");
+        }
+        let outcome = attempt().await;
+        // Only failures to open or reach the repository: an unreadable file (Velero's fail-fast)
+        // or a snapshot that does not exist would fail the same way again, after as long.
+        let repository_trouble = match outcome.kind {
+            OutcomeKind::RepositoryMissing
+            | OutcomeKind::RepositoryUnreachable
+            | OutcomeKind::WrongPassword => true,
+            OutcomeKind::Failed => outcome.message.contains("repository"),
+            _ => false,
+        };
+        let retry = conn.reused
+            && repository_trouble
+            && !cancel.is_cancelled()
+            && outcome.snapshot_id.is_none();
+        if !retry {
+            return Outcome {
+                repository_created: conn.created,
+                ..outcome
+            };
+        }
+        tracing::info!(cause = %outcome.message, "kopia failed on a reused connection: connecting again with an empty cache and retrying once");
+        kopia::forget_connection_and_cache(access);
+        let conn = match self
+            .kopia_connect(access, may_create, tracking, cancel)
+            .await
+        {
+            Ok(c) => c,
+            Err(failed) => return failed,
+        };
+        if cancel.is_cancelled() {
+            return Outcome::canceled("canceled before the uploader started");
+        }
+        Outcome {
+            repository_created: conn.created,
+            ..attempt().await
         }
     }
 
@@ -656,19 +731,27 @@ impl Engine {
             };
         }
         let tracking = self.tracking(Direction::Backup, sink);
-        let created = match self.kopia_connect(&req.access, &tracking, cancel).await {
-            Ok(created) => created,
-            Err(failed) => return failed,
-        };
-        if cancel.is_cancelled() {
-            return Outcome::canceled("canceled before the uploader started");
-        }
+        self.kopia_connected(&req.access, true, &tracking, cancel, || {
+            self.kopia_snapshot(req, &tracking, cancel)
+        })
+        .await
+    }
+
+    /// The keep-everything policy (once per source and connection), then `snapshot create`.
+    async fn kopia_snapshot(
+        &self,
+        req: &BackupRequest,
+        tracking: &Shared,
+        cancel: &CancellationToken,
+    ) -> Outcome {
         let options = &req.options.kopia;
-        if let (true, Some(source)) = (options.keep_all_policy, &options.source) {
+        if let (true, Some(source)) = (options.keep_all_policy, &options.source)
+            && !kopia::policy_is_set(&req.access, source)
+        {
             let set = self
                 .kopia_repository_command(
                     kopia::policy_keep_all(&req.access, source),
-                    &tracking,
+                    tracking,
                     cancel,
                 )
                 .await;
@@ -680,20 +763,16 @@ impl Engine {
                 );
                 return failed;
             }
+            kopia::remember_policy(&req.access, source);
         }
-        let outcome = self
-            .kopia_run(
-                kopia::snapshot_create(&req.access, &req.source, &req.options.tags, options),
-                Some(&req.source),
-                Direction::Backup,
-                &tracking,
-                cancel,
-            )
-            .await;
-        Outcome {
-            repository_created: created,
-            ..outcome
-        }
+        self.kopia_run(
+            kopia::snapshot_create(&req.access, &req.source, &req.options.tags, options),
+            Some(&req.source),
+            Direction::Backup,
+            tracking,
+            cancel,
+        )
+        .await
     }
 
     async fn kopia_restore(&self, req: &RestoreRequest, sink: &OperationSink) -> Outcome {
@@ -722,23 +801,18 @@ impl Engine {
         if let Err(e) = &baseline {
             tracing::warn!(target = %req.target.display(), error = %e, "cannot measure the restore target; the restored size will be kopia's rounded figure");
         }
-        let connected = self
-            .kopia_repository_command(kopia::connect(&req.access), &tracking, cancel)
-            .await;
-        if !connected.kind.is_success() {
-            return connected;
-        }
-        if cancel.is_cancelled() {
-            return Outcome::canceled("canceled before the uploader started");
-        }
+        // A restore never creates a repository, whatever the engine allows for backups.
+        let access = &req.access;
         let mut outcome = self
-            .kopia_run(
-                kopia::snapshot_restore(&req.access, &req.snapshot_id, &req.target, &req.kopia),
-                Some(&req.target),
-                Direction::Restore,
-                &tracking,
-                cancel,
-            )
+            .kopia_connected(access, false, &tracking, cancel, || {
+                self.kopia_run(
+                    kopia::snapshot_restore(access, &req.snapshot_id, &req.target, &req.kopia),
+                    Some(&req.target),
+                    Direction::Restore,
+                    &tracking,
+                    cancel,
+                )
+            })
             .await;
         let Ok(before) = baseline else {
             return outcome;
@@ -869,4 +943,12 @@ async fn measure_restore(
         };
         lock(&tracking).apply(Stream::Stdout, UploaderEvent::Progress(sample));
     }
+}
+
+/// How `kopia_connect` left the repository's connection.
+struct KopiaConnection {
+    /// The repository did not exist and was created (`--init-missing-repository`).
+    created: bool,
+    /// The connection made by an earlier operation was reused (no `repository connect` ran).
+    reused: bool,
 }

@@ -1056,3 +1056,94 @@ exit 1"#,
         "the repository was created after the cancel: {argv:?}"
     );
 }
+
+/// A second operation on the same repository reuses the connection and the source's policy
+/// (only `snapshot create` runs: one repository open, as Velero's data path makes); a
+/// repository recreated in place under the same settings fails the reused connection, which is
+/// dropped: a fresh `repository connect`, and the backup lands in the new repository.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_connection_and_policy_are_reused_and_a_stale_one_is_replaced() {
+    let bed = Bed::new();
+    fill_small(&bed);
+    let engine = kopia_engine(logging_kopia(&bed), true);
+    let req = || BackupRequest {
+        options: BackupOptions {
+            kopia: podvolume_agent::uploader::kopia::SnapshotOptions {
+                source: Some("default@default:snapshot-pod-volume/kopia/ns/pod/vol".into()),
+                keep_all_policy: true,
+                ..Default::default()
+            },
+            ..Default::default()
+        },
+        ..backup_req(&bed, bed.access())
+    };
+    let commands = |from: usize| -> Vec<String> {
+        calls(&bed)[from..]
+            .iter()
+            .map(|(_, a)| a.split_whitespace().take(2).collect::<Vec<_>>().join(" "))
+            .collect()
+    };
+    let first = engine.backup(req()).wait().await;
+    assert_eq!(first.kind, OutcomeKind::Success, "{first:?}");
+    assert_eq!(
+        commands(0),
+        [
+            "repository connect",
+            "repository create",
+            "policy set",
+            "snapshot create"
+        ]
+    );
+    let n = calls(&bed).len();
+    let second = engine.backup(req()).wait().await;
+    assert_eq!(second.kind, OutcomeKind::Success, "{second:?}");
+    assert_eq!(commands(n), ["snapshot create"]);
+    let n = calls(&bed).len();
+    let target = bed.path().join("restored");
+    std::fs::create_dir(&target).unwrap();
+    let restored = engine
+        .restore(restore_req(
+            bed.access(),
+            second.snapshot_id.as_deref().unwrap(),
+            &target,
+        ))
+        .wait()
+        .await;
+    assert_eq!(restored.kind, OutcomeKind::Success, "{restored:?}");
+    assert_eq!(commands(n), ["snapshot restore"]);
+
+    // The repository replaced by another one at the same place (deleted and created again).
+    std::fs::remove_dir_all(&bed.repo).unwrap();
+    let other = bed.path().join("other-config");
+    let out = std::process::Command::new(kopia_bin())
+        .args(["repository", "create", "filesystem", "--path"])
+        .arg(&bed.repo)
+        .arg(format!(
+            "--config-file={}",
+            other.join("repository.config").display()
+        ))
+        .arg(format!(
+            "--cache-directory={}",
+            other.join("cache").display()
+        ))
+        .env("KOPIA_PASSWORD", bed.kopia_password())
+        .env("KOPIA_CHECK_FOR_UPDATES", "false")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let n = calls(&bed).len();
+    let third = engine.backup(req()).wait().await;
+    assert_eq!(third.kind, OutcomeKind::Success, "{third:?}");
+    let after = commands(n);
+    assert_eq!(
+        after[after.len() - 3..],
+        ["repository connect", "policy set", "snapshot create"],
+        "{after:?}"
+    );
+    let inspector = bed.kopia_inspector();
+    inspector.snapshot(third.snapshot_id.as_deref().unwrap());
+}

@@ -519,6 +519,105 @@ pub fn connect(access: &RepositoryAccess) -> Result<KopiaInvocation, Error> {
     repository_command(access, "connect")
 }
 
+// --- connection reuse ----------------------------------------------------------------------------
+//
+// Every kopia command opens the repository on its own: it loads the binary, derives the key from
+// the password (scrypt, 64 MiB and a few hundred ms of CPU) and reads the repository's format and
+// indexes. `repository connect` and `policy set` before each snapshot were two such opens more
+// than Velero's data path makes (one process, one open). The connection is kept in the
+// repository's private config (one per repository, see the agent's cache dirs) and reused while
+// nothing it was made with has changed; the keep-everything policy is set once per source and
+// connection. A reused connection that fails is dropped and the command run again after a fresh
+// `repository connect` (see the engine), so a repository recreated in place, rotated keys or a
+// new CA cost one retry, never a wrong result.
+
+/// The file that records what the current connection was made with.
+fn connection_record(access: &RepositoryAccess) -> PathBuf {
+    kopia_dir(access).join("connection")
+}
+
+/// The sources whose keep-everything policy was set through the current connection.
+fn policy_record(access: &RepositoryAccess) -> PathBuf {
+    kopia_dir(access).join("policies")
+}
+
+/// What `repository connect` is made with, the password aside (a wrong one fails every command
+/// anyway, and no trace of it is written): its argv, its environment (keys included, so rotated
+/// ones reconnect) and the CA file's content. FNV-1a, hex.
+fn connection_fingerprint(access: &RepositoryAccess) -> Result<String, Error> {
+    let inv = connect(access)?;
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut eat = |b: &[u8]| {
+        for &x in b.iter().chain(std::iter::once(&0u8)) {
+            h ^= u64::from(x);
+            h = h.wrapping_mul(0x0100_0000_01b3);
+        }
+    };
+    for a in &inv.args {
+        eat(a.as_encoded_bytes());
+    }
+    for (k, v) in &inv.env {
+        if k != "KOPIA_PASSWORD" {
+            eat(k.as_encoded_bytes());
+            eat(v.as_encoded_bytes());
+        }
+    }
+    if let Some(ca) = &access.ca_cert {
+        eat(&std::fs::read(ca).unwrap_or_default());
+    }
+    Ok(format!("{h:016x}"))
+}
+
+/// True when the repository's config holds a connection made with exactly what `access` says now.
+pub fn connection_is_current(access: &RepositoryAccess) -> bool {
+    let Ok(want) = connection_fingerprint(access) else {
+        return false;
+    };
+    config_path(access).is_file()
+        && std::fs::read_to_string(connection_record(access)).is_ok_and(|have| have.trim() == want)
+}
+
+/// Records a connection `repository connect|create` has just made.
+pub fn remember_connection(access: &RepositoryAccess) {
+    if let Ok(f) = connection_fingerprint(access)
+        && let Err(e) = std::fs::write(connection_record(access), f)
+    {
+        tracing::debug!(error = %e, "cannot record the kopia connection; the next operation connects again");
+    }
+}
+
+/// Forgets the connection and the policies set through it: the next operation connects again.
+pub fn forget_connection(access: &RepositoryAccess) {
+    let _ = std::fs::remove_file(connection_record(access));
+    let _ = std::fs::remove_file(policy_record(access));
+}
+
+/// Forgets the connection and empties kopia's cache of the repository too: what failed on a
+/// reused connection may be the cache itself (kopia keeps the repository's format blob there for
+/// minutes: a repository recreated in place with another key is read with the old one).
+pub fn forget_connection_and_cache(access: &RepositoryAccess) {
+    forget_connection(access);
+    let _ = std::fs::remove_dir_all(kopia_dir(access).join("cache"));
+}
+
+/// True when the keep-everything policy of `source` was set through the current connection.
+pub fn policy_is_set(access: &RepositoryAccess, source: &str) -> bool {
+    std::fs::read_to_string(policy_record(access)).is_ok_and(|l| l.lines().any(|s| s == source))
+}
+
+/// Records that the keep-everything policy of `source` is set.
+pub fn remember_policy(access: &RepositoryAccess, source: &str) {
+    use std::io::Write;
+    let r = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(policy_record(access))
+        .and_then(|mut f| writeln!(f, "{source}"));
+    if let Err(e) = r {
+        tracing::debug!(error = %e, "cannot record the policy; it is set again next time");
+    }
+}
+
 /// `kopia repository create filesystem --path=<repo>`: initialises the repository and connects.
 pub fn create(access: &RepositoryAccess) -> Result<KopiaInvocation, Error> {
     repository_command(access, "create")
