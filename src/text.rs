@@ -116,6 +116,14 @@ pub fn redact_secrets<S: AsRef<str>>(s: &str, secrets: &[S]) -> String {
     out
 }
 
+/// FNV-1a, 64 bits: stable across builds and Rust versions (std's hasher promises neither),
+/// which a name or record that must be found again after an upgrade needs.
+pub fn fnv1a64(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -279,6 +279,12 @@ pub fn repository_location(
     };
     let bucket = bucket.trim_matches('/').to_string();
     let prefix = prefix.trim_matches('/').to_string();
+    let path = [prefix.as_str(), "kopia", volume_namespace]
+        .iter()
+        .filter(|p| !p.is_empty())
+        .copied()
+        .collect::<Vec<_>>()
+        .join("/");
     if provider == Provider::Fs {
         // Velero's filesystem backend: <fspath>/<prefix>/kopia/<ns>, the bucket unused.
         let root = spec.config.get("fspath").map(String::as_str).unwrap_or("");
@@ -287,23 +293,11 @@ pub fn repository_location(
                 "{what}: provider velero.io/fs needs config.fspath, an absolute path (it is {root:?})"
             ));
         }
-        let path = [prefix.as_str(), "kopia", volume_namespace]
-            .iter()
-            .filter(|p| !p.is_empty())
-            .copied()
-            .collect::<Vec<_>>()
-            .join("/");
         return Ok((format!("{}/{path}", root.trim_end_matches('/')), None));
     }
     if bucket.is_empty() {
         return Err(format!("{what}: no bucket (spec.objectStorage.bucket)"));
     }
-    let path = [prefix.as_str(), "kopia", volume_namespace]
-        .iter()
-        .filter(|p| !p.is_empty())
-        .copied()
-        .collect::<Vec<_>>()
-        .join("/");
     match provider {
         Provider::Azure => return Ok((format!("azure:{bucket}:/{path}/"), None)),
         Provider::Gcp => return Ok((format!("gs:{bucket}:/{path}/"), None)),

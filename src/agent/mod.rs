@@ -307,18 +307,10 @@ fn uploader_cache_dir(scratch: &std::path::Path, uploader: UploaderKind, repo: &
             base.join(format!(
                 "{}-{:016x}",
                 storage::safe_name(&tail),
-                fnv1a64(repo.as_bytes())
+                crate::text::fnv1a64(repo.as_bytes())
             ))
         }
     }
-}
-
-/// FNV-1a, 64 bits: stable across builds and Rust versions (std's hasher promises neither),
-/// which a directory name that must be found again after an upgrade needs.
-fn fnv1a64(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, b| {
-        (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3)
-    })
 }
 
 /// Writes a file only its owner can read, atomically. Operations that start together (Velero
@@ -886,7 +878,7 @@ mod tests {
         );
         // Stable across builds: a changed hash would orphan every node's kopia cache. FNV-1a's
         // published vector, and this path's value computed apart.
-        assert_eq!(fnv1a64(b"a"), 0xaf63_dc4c_8601_ec8c);
+        assert_eq!(crate::text::fnv1a64(b"a"), 0xaf63_dc4c_8601_ec8c);
         assert_eq!(a, scratch.join(".cache/kopia/_repos_ns1-98c75875e6cf87b2"));
         // Whatever the identifier holds, one component under the uploader's dir.
         let hostile = uploader_cache_dir(scratch, UploaderKind::Kopia, "../../etc/\u{e9}x/..");

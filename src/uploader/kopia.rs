@@ -546,12 +546,10 @@ fn policy_record(access: &RepositoryAccess) -> PathBuf {
 /// ones reconnect) and the CA file's content. FNV-1a, hex.
 fn connection_fingerprint(access: &RepositoryAccess) -> Result<String, Error> {
     let inv = connect(access)?;
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut parts: Vec<u8> = Vec::new();
     let mut eat = |b: &[u8]| {
-        for &x in b.iter().chain(std::iter::once(&0u8)) {
-            h ^= u64::from(x);
-            h = h.wrapping_mul(0x0100_0000_01b3);
-        }
+        parts.extend_from_slice(b);
+        parts.push(0);
     };
     for a in &inv.args {
         eat(a.as_encoded_bytes());
@@ -565,6 +563,7 @@ fn connection_fingerprint(access: &RepositoryAccess) -> Result<String, Error> {
     if let Some(ca) = &access.ca_cert {
         eat(&std::fs::read(ca).unwrap_or_default());
     }
+    let h = crate::text::fnv1a64(&parts);
     Ok(format!("{h:016x}"))
 }
 
