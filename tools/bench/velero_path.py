@@ -615,7 +615,6 @@ class Agent:
         os.makedirs(os.path.dirname(d), exist_ok=True)
         subprocess.run(["cp", "-al", data, d], check=True)
         name = f"a-{ns}-{time.monotonic_ns() % 10**9}"
-        self.pod_for_next = pod
         m, st = self._measure(lambda: self.bed.pvb(name, ns, pod, store), f"/apis/velero.io/v1/namespaces/{VNS}/podvolumebackups", name)
         return m, st["snapshotID"], pod, d
 
