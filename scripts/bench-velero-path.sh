@@ -10,7 +10,8 @@
 # 2 CPUs. --quick: 512 MiB, 20,000 files, a smaller mixed volume; about 40 minutes.
 # Needs root (Velero's data path runs in a mount namespace of its own, and cold runs drop the page
 # cache). Installs what it needs (cached by version). Work files under BENCH_WORK_PARENT (default
-# /var/tmp), removed at the end.
+# /var/tmp), removed at the end unless BENCH_KEEP_WORK=1 (the agent's log is run/agent.log there;
+# BENCH_AGENT_LOG sets its RUST_LOG, default warn).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
@@ -40,7 +41,7 @@ moto=${PODVOLUME_MOTO_SERVER:-$root/target/test-tools/moto/bin/moto_server}
 [ -x "$moto" ] || scripts/install-moto.sh >&2
 
 work="$(mktemp -d "${BENCH_WORK_PARENT:-/var/tmp}/pva-bench-velero.XXXXXX")"
-trap 'rm -rf "$work"' EXIT
+if [ "${BENCH_KEEP_WORK:-0}" = 1 ]; then echo "work files kept in $work" >&2; else trap 'rm -rf "$work"' EXIT; fi
 "$velero_dir/velero" install --crds-only --dry-run -o yaml >"$work/crds.yaml"
 python3 tools/bench/velero_path.py --root "$root" --work "$work/run" \
   --agent "$CARGO_TARGET_DIR/release/podvolume-agent" --kopia "$KOPIA" --velero "$velero_dir/velero" \

@@ -544,19 +544,38 @@ fn policy_record(access: &RepositoryAccess) -> PathBuf {
 /// What `repository connect` is made with, the password aside (a wrong one fails every command
 /// anyway, and no trace of it is written): its argv, its environment (keys included, so rotated
 /// ones reconnect) and the CA file's content. FNV-1a, hex.
+///
+/// The CA and an AWS credentials file are written per operation (a new path each time) and kopia
+/// copies what it needs of them into its config at connect (the CA's PEM, the keys), so those
+/// two count by content, not path: otherwise no connection would ever be reused on S3 with a
+/// private CA or a location's own Secret. A GCS credentials file is kept by path in kopia's
+/// config and read by every command, so its path counts: a per-operation file reconnects.
 fn connection_fingerprint(access: &RepositoryAccess) -> Result<String, Error> {
+    const CA_FLAG: &str = "--root-ca-pem-path=";
     let inv = connect(access)?;
     let mut parts: Vec<u8> = Vec::new();
     let mut eat = |b: &[u8]| {
         parts.extend_from_slice(b);
         parts.push(0);
     };
+    let content = |path: &std::ffi::OsStr| std::fs::read(path).unwrap_or_default();
     for a in &inv.args {
-        eat(a.as_encoded_bytes());
+        match a.as_encoded_bytes().strip_prefix(CA_FLAG.as_bytes()) {
+            Some(path) => {
+                eat(CA_FLAG.as_bytes());
+                eat(&content(std::os::unix::ffi::OsStrExt::from_bytes(path)));
+            }
+            None => eat(a.as_encoded_bytes()),
+        }
     }
     for (k, v) in &inv.env {
-        if k != "KOPIA_PASSWORD" {
-            eat(k.as_encoded_bytes());
+        if k == "KOPIA_PASSWORD" {
+            continue;
+        }
+        eat(k.as_encoded_bytes());
+        if k == "AWS_SHARED_CREDENTIALS_FILE" {
+            eat(&content(v));
+        } else {
             eat(v.as_encoded_bytes());
         }
     }
@@ -1414,6 +1433,62 @@ mod tests {
             .iter()
             .map(|a| a.to_string_lossy().into_owned())
             .collect()
+    }
+
+    #[test]
+    fn a_connection_counts_per_operation_files_by_content_where_kopia_copies_them() {
+        let dir = tempfile::tempdir().unwrap();
+        // Two operations on one S3 repository: each has its own copy of the CA and of the
+        // location's credentials file (as the agent writes them), with the same content.
+        let files = |op: &str, ca: &str, key: &str| {
+            let d = dir.path().join(op);
+            std::fs::create_dir_all(&d).unwrap();
+            std::fs::write(d.join("ca.pem"), ca).unwrap();
+            std::fs::write(
+                d.join("creds"),
+                format!("[default]\naws_access_key_id = {key}\naws_secret_access_key = s\n"),
+            )
+            .unwrap();
+            let mut a = access(dir.path(), "pw");
+            a.repository = "s3:https://minio:9000/velero/kopia/ns/".into();
+            a.ca_cert = Some(d.join("ca.pem"));
+            a.extra_env = vec![(
+                "AWS_SHARED_CREDENTIALS_FILE".into(),
+                d.join("creds").display().to_string(),
+            )];
+            a
+        };
+        let one = files("op1", "CA one", "AKI1");
+        let same = files("op2", "CA one", "AKI1");
+        assert_ne!(
+            args(&connect(&one).unwrap()),
+            args(&connect(&same).unwrap())
+        );
+        assert_eq!(
+            connection_fingerprint(&one).unwrap(),
+            connection_fingerprint(&same).unwrap()
+        );
+        std::fs::create_dir_all(kopia_dir(&one)).unwrap();
+        std::fs::write(config_path(&one), "{}").unwrap();
+        remember_connection(&one);
+        assert!(connection_is_current(&same));
+        // Another CA or other keys reconnect.
+        assert!(!connection_is_current(&files("op3", "CA two", "AKI1")));
+        assert!(!connection_is_current(&files("op4", "CA one", "AKI2")));
+        // kopia keeps a GCS credentials file by path: a new path reconnects.
+        let gcs = |op: &str| {
+            let mut a = access(dir.path(), "pw");
+            a.repository = "gs:velero:/kopia/ns/".into();
+            a.extra_env = vec![(
+                "GOOGLE_APPLICATION_CREDENTIALS".into(),
+                dir.path().join(op).join("creds").display().to_string(),
+            )];
+            a
+        };
+        assert_ne!(
+            connection_fingerprint(&gcs("op1")).unwrap(),
+            connection_fingerprint(&gcs("op2")).unwrap()
+        );
     }
 
     #[test]
