@@ -800,6 +800,65 @@ def table(results, shapes, stores, runs):
     return out, worst
 
 
+def write_report(a, bed, results, shapes, floors, agent_idle, cold_ok, started, done):
+    """The report so far: written after every store and shape, so a run stopped early still
+    leaves what it measured (and says it is partial). Not to a stream: only the whole report."""
+    if not done and not os.path.isfile(a.out) and os.path.exists(a.out):
+        return
+    elapsed = time.monotonic() - started
+    lines, worst = table(results, shapes, a.stores, a.runs)
+    kopia_v = subprocess.run([a.kopia, "--version"], stdout=subprocess.PIPE, text=True).stdout.split("\n")[0]
+    velero_v = subprocess.run([a.velero, "version", "--client-only"], stdout=subprocess.PIPE,
+                              text=True).stdout.split("\n")
+    velero_v = " ".join(l.strip() for l in velero_v if "Version" in l or "Git commit" in l)
+    with open(a.out, "w") as f:
+        w = lambda s="": f.write(s + "\n")
+        w("## 9. agent vs Velero 1.18 data path")
+        w()
+        w(f"The same volumes backed up and restored by the agent (`podvolume-agent run`, its kopia {kopia_v.split()[0]} CLI "
+          f"child) and by Velero's own data path (`velero pod-volume backup|restore`, what Velero 1.17+'s data-path "
+          f"pods run: {velero_v}), driven by PodVolumeBackups/PodVolumeRestores on a real kube-apiserver "
+          f"(`tools/bench/velero_path.py`). {a.runs} runs per row, alternating which side goes first; "
+          f"min / median / max, ratios of medians. Every run's restore checked against the source "
+          f"(file count and size; the first run's byte for byte).")
+        w()
+        w("- **agent**: from creating the object to seeing it Completed (a watch on the API): the claim, "
+          "the status writes and kopia's `repository connect`, `policy set`, `snapshot create|restore`. "
+          "CPU: the agent's own and its waited-for kopia children's. Peak RSS: agent + kopia summed, "
+          "sampled every 20 ms.")
+        w("- **Velero**: the life of the `velero pod-volume` process (Velero's kopia library in-process) on an "
+          "object already InProgress; the data-path pod's scheduling and start and Velero's node agent are "
+          "not counted. CPU and bytes read: its rusage. Peak RSS: the `velero` process, sampled every 20 ms.")
+        w("- Stores: " + "; ".join(f"*{s}*: {bed.stores[s]['what']}" for s in a.stores) +
+          ". A fresh namespace, so a fresh repository (made with the kopia CLI, Velero's password, "
+          "BackupRepository Ready), per side and run.")
+        w(f"- Cold: {'the page cache dropped (`/proc/sys/vm/drop_caches`)' if cold_ok else 'the page cache could NOT be dropped (not root): cold means no kopia cache only'} "
+          "and no kopia cache for the repository (the agent's per-repository cache in its scratch directory "
+          "removed; Velero: a fresh HOME and cache volume). Warm: the data just read, the side's kopia cache kept. "
+          "*backup, warm cache* is a full backup into another fresh repository with the data in the page cache; "
+          "*backup again* is a second backup of the unchanged volume into the first repository (kopia's parent).")
+        w("- In a cluster Velero's node agent starts a new data-path pod for every transfer, so its kopia cache "
+          "is always empty (its *cold* rows are what it does there); the agent keeps each repository's cache "
+          "and connection between transfers (bounded by `--kopia-cache-limit-mb`), so its *warm* rows are "
+          "its usual case after the first transfer of a namespace.")
+        for store, (plain, limited) in floors.items():
+            w(f"- Memory floor, *{store}*: `kopia repository status` alone (one repository open: the key derived "
+              f"with scrypt N=65536 r=8, 64 MiB) peaks at {plain:.0f} MiB ({limited:.0f} MiB with GOMEMLIMIT=32MiB); "
+              f"the agent idle at {agent_idle:.0f} MiB. Velero's process makes the same open in-process.")
+        w(f"- Run took {elapsed / 60:.0f} minutes." if done else
+          f"- **Partial**: written after {elapsed / 60:.0f} minutes, before the run ended; "
+          "rows are only those measured so far.")
+        w()
+        for l in lines:
+            w(l)
+        w()
+        if worst:
+            wr = max(worst)
+            rr = max(worst, key=lambda x: x[1])
+            w(f"Largest wall ratio: {wr[0]:.2f} ({wr[2]}, {wr[3]}, {wr[4]}); largest RSS ratio: {rr[1]:.2f} "
+              f"({rr[2]}, {rr[3]}, {rr[4]}).")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--root", required=True)
@@ -852,59 +911,11 @@ def main():
                     log(f"  {store} {shape} run {r + 1}/{a.runs}")
                     for side in order:
                         run_side(bed, side, store, data, expect, r == 0, results, (store, shape))
+                write_report(a, bed, results, shapes, floors, agent_idle, cold_ok, started, False)
             shutil.rmtree(data)
     finally:
         bed.stop()
-    elapsed = time.monotonic() - started
-    lines, worst = table(results, shapes, a.stores, a.runs)
-    kopia_v = subprocess.run([a.kopia, "--version"], stdout=subprocess.PIPE, text=True).stdout.split("\n")[0]
-    velero_v = subprocess.run([a.velero, "version", "--client-only"], stdout=subprocess.PIPE,
-                              text=True).stdout.split("\n")
-    velero_v = " ".join(l.strip() for l in velero_v if "Version" in l or "Git commit" in l)
-    with open(a.out, "w") as f:
-        w = lambda s="": f.write(s + "\n")
-        w("## 9. agent vs Velero 1.18 data path")
-        w()
-        w(f"The same volumes backed up and restored by the agent (`podvolume-agent run`, its kopia {kopia_v.split()[0]} CLI "
-          f"child) and by Velero's own data path (`velero pod-volume backup|restore`, what Velero 1.17+'s data-path "
-          f"pods run: {velero_v}), driven by PodVolumeBackups/PodVolumeRestores on a real kube-apiserver "
-          f"(`tools/bench/velero_path.py`). {a.runs} runs per row, alternating which side goes first; "
-          f"min / median / max, ratios of medians. Every run's restore checked against the source "
-          f"(file count and size; the first run's byte for byte).")
-        w()
-        w("- **agent**: from creating the object to seeing it Completed (a watch on the API): the claim, "
-          "the status writes and kopia's `repository connect`, `policy set`, `snapshot create|restore`. "
-          "CPU: the agent's own and its waited-for kopia children's. Peak RSS: agent + kopia summed, "
-          "sampled every 20 ms.")
-        w("- **Velero**: the life of the `velero pod-volume` process (Velero's kopia library in-process) on an "
-          "object already InProgress; the data-path pod's scheduling and start and Velero's node agent are "
-          "not counted. CPU and bytes read: its rusage. Peak RSS: the `velero` process, sampled every 20 ms.")
-        w("- Stores: " + "; ".join(f"*{s}*: {bed.stores[s]['what']}" for s in a.stores) +
-          ". A fresh namespace, so a fresh repository (made with the kopia CLI, Velero's password, "
-          "BackupRepository Ready), per side and run.")
-        w(f"- Cold: {'the page cache dropped (`/proc/sys/vm/drop_caches`)' if cold_ok else 'the page cache could NOT be dropped (not root): cold means no kopia cache only'} "
-          "and no kopia cache for the repository (the agent's per-repository cache in its scratch directory "
-          "removed; Velero: a fresh HOME and cache volume). Warm: the data just read, the side's kopia cache kept. "
-          "*backup, warm cache* is a full backup into another fresh repository with the data in the page cache; "
-          "*backup again* is a second backup of the unchanged volume into the first repository (kopia's parent).")
-        w("- In a cluster Velero's node agent starts a new data-path pod for every transfer, so its kopia cache "
-          "is always empty (its *cold* rows are what it does there); the agent keeps each repository's cache "
-          "and connection between transfers (bounded by `--kopia-cache-limit-mb`), so its *warm* rows are "
-          "its usual case after the first transfer of a namespace.")
-        for store, (plain, limited) in floors.items():
-            w(f"- Memory floor, *{store}*: `kopia repository status` alone (one repository open: the key derived "
-              f"with scrypt N=65536 r=8, 64 MiB) peaks at {plain:.0f} MiB ({limited:.0f} MiB with GOMEMLIMIT=32MiB); "
-              f"the agent idle at {agent_idle:.0f} MiB. Velero's process makes the same open in-process.")
-        w(f"- Run took {elapsed / 60:.0f} minutes.")
-        w()
-        for l in lines:
-            w(l)
-        w()
-        if worst:
-            wr = max(worst)
-            rr = max(worst, key=lambda x: x[1])
-            w(f"Largest wall ratio: {wr[0]:.2f} ({wr[2]}, {wr[3]}, {wr[4]}); largest RSS ratio: {rr[1]:.2f} "
-              f"({rr[2]}, {rr[3]}, {rr[4]}).")
+    write_report(a, bed, results, shapes, floors, agent_idle, cold_ok, started, True)
     log(f"wrote {a.out}")
 
 
