@@ -136,6 +136,11 @@ pub struct RunArgs {
     /// `spec.repositoryConfig.cacheLimitMB` (Velero's backup repository ConfigMap) overrides it.
     #[arg(long, env = "KOPIA_CACHE_LIMIT_MB", default_value_t = 5000, value_parser = clap::value_parser!(u64).range(1..))]
     pub kopia_cache_limit_mb: u64,
+    /// kopia's caches of all repositories on this node (MB), kept between transfers: before a
+    /// transfer, the caches of the repositories used least recently (none in use) are removed
+    /// until the others and this one's limit fit; they start cold on their next use. 0: no bound.
+    #[arg(long, env = "KOPIA_CACHE_TOTAL_MB", default_value_t = 20000)]
+    pub kopia_cache_total_mb: u64,
     /// Uploader for objects whose `spec.uploaderType` is empty.
     #[arg(long, env = "DEFAULT_UPLOADER", value_enum, default_value_t = UploaderKind::Restic)]
     pub default_uploader: UploaderKind,

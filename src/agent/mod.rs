@@ -12,6 +12,7 @@ pub mod datadownload;
 pub mod datamover_config;
 pub mod dataupload;
 pub mod expose;
+pub mod kopia_caches;
 pub mod kopia_repository;
 pub mod metrics;
 pub mod movement;
@@ -210,6 +211,29 @@ pub async fn repository_access(
         None => secret_password_file(ctx, uploader == UploaderKind::Kopia).await?,
     };
     let cache_dir = uploader_cache_dir(&ctx.args.scratch_dir, uploader, &repository);
+    if uploader == UploaderKind::Kopia
+        && let Some(root) = cache_dir.parent()
+    {
+        let (root, dir, total) = (
+            root.to_path_buf(),
+            cache_dir.clone(),
+            ctx.args.kopia_cache_total_mb,
+        );
+        let (claim, removed) = tokio::task::spawn_blocking(move || {
+            kopia_caches::claim(&root, &dir, cache_limit_mb, total)
+        })
+        .await
+        .map_err(|e| format!("cannot bound kopia's caches: {e}"))?;
+        if !removed.dirs.is_empty() {
+            tracing::info!(
+                repositories = removed.dirs.len(),
+                freed_mb = removed.bytes >> 20,
+                total_mb = total,
+                "removed the kopia caches of the repositories used least recently (--kopia-cache-total-mb)"
+            );
+        }
+        location_access.cache_claim = Some(claim);
+    }
     Ok((
         RepositoryAccess {
             repository,

@@ -85,6 +85,8 @@ pub struct LocationAccess {
     /// The location as read (kopia's repository is found from its bucket and prefix).
     pub spec: StorageLocationSpec,
     files: Option<PrivateDir>,
+    /// The transfer's hold on its kopia repository's directory (see `kopia_caches`).
+    pub cache_claim: Option<super::kopia_caches::CacheClaim>,
 }
 
 impl LocationAccess {

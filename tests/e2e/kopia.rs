@@ -380,6 +380,9 @@ async fn velero_117_kopia_backup_incremental_and_restore() {
     // No key of the location anywhere the agent writes.
     let keys = velero.s3.keys("velero");
     let logs = agent.logs();
+    // One kopia connection for the three transfers: the location's CA and credentials are
+    // written anew for each operation, and the same content is the same connection.
+    assert_eq!(logs.matches(" repository connect ").count(), 1, "{logs}");
     assert!(
         !logs.contains(&keys.secret_access_key),
         "secret key in the log"
