@@ -560,13 +560,13 @@ fn connection_fingerprint(access: &RepositoryAccess) -> Result<String, Error> {
     };
     let content = |path: &std::ffi::OsStr| std::fs::read(path).unwrap_or_default();
     for a in &inv.args {
-        match a.as_encoded_bytes().strip_prefix(CA_FLAG.as_bytes()) {
-            Some(path) => {
-                eat(CA_FLAG.as_bytes());
-                eat(&content(std::os::unix::ffi::OsStrExt::from_bytes(path)));
-            }
-            None => eat(a.as_encoded_bytes()),
-        }
+        // The flag's path is `access.ca_cert`, whose content is counted below.
+        let a = a.as_encoded_bytes();
+        eat(if a.starts_with(CA_FLAG.as_bytes()) {
+            CA_FLAG.as_bytes()
+        } else {
+            a
+        });
     }
     for (k, v) in &inv.env {
         if k == "KOPIA_PASSWORD" {
