@@ -2,7 +2,9 @@
 # Benchmark of the agent against Velero 1.18's own file-system data path (case 9 of
 # BENCHMARKS.md): the same volumes backed up and restored by `podvolume-agent run` (its kopia CLI
 # child) and by `velero pod-volume backup|restore` (what Velero's data-path pods run), on a real
-# kube-apiserver, into Velero's filesystem backend and the S3 server. See tools/bench/velero_path.py.
+# kube-apiserver, into Velero's filesystem backend and an S3 server (tools/bench/s3-server:
+# gofakes3 over TLS, fast enough for 200,000 small reads; the tests use moto). See
+# tools/bench/velero_path.py.
 #
 #   scripts/bench-velero-path.sh [--quick] [--out FILE] [--runs N] [--stores fs,s3] [--shapes large,small,mixed]
 #
@@ -37,13 +39,12 @@ cargo build --release --bin podvolume-agent >&2
 if [ -z "${KOPIA:-}" ]; then read -r _ KOPIA < <(scripts/install-kopia.sh 0.22.3); fi
 read -r _ velero_dir < <(scripts/install-velero.sh 1.18.3)
 cp_bin=$(scripts/install-control-plane.sh)
-moto=${PODVOLUME_MOTO_SERVER:-$root/target/test-tools/moto/bin/moto_server}
-[ -x "$moto" ] || scripts/install-moto.sh >&2
+s3_server=$(scripts/install-bench-s3-server.sh)
 
 work="$(mktemp -d "${BENCH_WORK_PARENT:-/var/tmp}/pva-bench-velero.XXXXXX")"
 if [ "${BENCH_KEEP_WORK:-0}" = 1 ]; then echo "work files kept in $work" >&2; else trap 'rm -rf "$work"' EXIT; fi
 "$velero_dir/velero" install --crds-only --dry-run -o yaml >"$work/crds.yaml"
 python3 tools/bench/velero_path.py --root "$root" --work "$work/run" \
   --agent "$CARGO_TARGET_DIR/release/podvolume-agent" --kopia "$KOPIA" --velero "$velero_dir/velero" \
-  --cp-bin "$cp_bin" --crds "$work/crds.yaml" --moto "$moto" "${quick[@]}" "${extra[@]}" \
+  --cp-bin "$cp_bin" --crds "$work/crds.yaml" --s3-server "$s3_server" "${quick[@]}" "${extra[@]}" \
   --out "${out:-/dev/stdout}"

@@ -13,7 +13,7 @@ way Velero drives them, on one real kube-apiserver:
   scheduling and start, and Velero's node agent, are not counted.
 
 Both use one BackupStorageLocation per store: Velero's filesystem backend (`velero.io/fs`) or
-the S3 server (moto, TLS). The kopia repository of each run's namespace is made beforehand with
+the S3 server (gofakes3 on the work disk, TLS: tools/bench/s3-server). The kopia repository of each run's namespace is made beforehand with
 the kopia CLI and Velero's password; the BackupRepository says Ready (no Velero server runs).
 
 Measured per operation: wall; CPU (user+system of everything the side ran: the agent's own
@@ -41,6 +41,7 @@ import sys
 import threading
 import time
 import urllib.parse
+import xml.etree.ElementTree as ET
 
 PASSWORD = "static-passw0rd"  # Velero's repository password (Secret velero-repo-credentials)
 VNS = "velero"
@@ -391,31 +392,19 @@ class Bed:
             f.write("subjectAltName=IP:127.0.0.1,DNS:localhost\nbasicConstraints=CA:FALSE\nextendedKeyUsage=serverAuth\n")
         sh("openssl", "x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
            "-days", "2", "-out", "server.pem", "-extfile", "server.ext")
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-        s.close()
-        p = subprocess.Popen([self.a.moto, "-H", "127.0.0.1", "-p", str(port), "-c", "server.pem", "-k", "server.key"],
-                             cwd=d, env=dict(os.environ, INITIAL_NO_AUTH_ACTION_COUNT="4"),
-                             stdout=open(os.path.join(d, "moto.log"), "w"), stderr=subprocess.STDOUT,
-                             start_new_session=True)
+        p = subprocess.Popen([self.a.s3_server, "-dir", os.path.join(d, "objects"), "-cert", "server.pem",
+                              "-key", "server.key", "-bucket", "bench"],
+                             cwd=d, stdout=subprocess.PIPE, stderr=open(os.path.join(d, "s3-server.log"), "w"),
+                             text=True, start_new_session=True)
         self.procs.append(p)
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), 1).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError("moto did not listen")
-                time.sleep(0.2)
+        line = p.stdout.readline()
+        if not line.startswith("listening on "):
+            raise RuntimeError(f"the S3 server did not start (see {d}/s3-server.log)")
+        port = int(line.split()[2])
         url = f"https://127.0.0.1:{port}"
         self.s3_url = url
-        moto_py = os.path.join(os.path.dirname(self.a.moto), "python")
-        keys = json.loads(subprocess.run(
-            [moto_py, os.path.join(self.a.root, "tests/s3/moto_setup.py"), url, os.path.join(d, "ca.pem"),
-             json.dumps([{"user": "velero", "buckets": ["bench"]}])], check=True, stdout=subprocess.PIPE).stdout)
-        k = keys["velero"]
+        # The server checks no signature; the keys only have to look like keys to both sides.
+        k = {"accessKeyId": "AKIABENCHVELERO00000", "secretAccessKey": "bench-secret-key-of-forty-characters-000"}
         with open(self.creds, "w") as f:
             f.write(f"[default]\naws_access_key_id = {k['accessKeyId']}\naws_secret_access_key = {k['secretAccessKey']}\n")
         os.chmod(self.creds, 0o600)
@@ -428,7 +417,8 @@ class Bed:
                              "kopia": lambda ns: ["s3", "--endpoint=127.0.0.1:%d" % port, "--bucket=bench",
                                                   f"--prefix=s3/kopia/{ns}/", "--region=us-east-1",
                                                   f"--root-ca-pem-path={self.s3_ca}"],
-                             "what": "moto 5.2.5's S3 server over TLS on loopback"}
+                             "what": "gofakes3's S3 server (tools/bench/s3-server, objects on the work disk) "
+                                     "over TLS on loopback"}
 
     def start_agent(self):
         s = socket.socket()
@@ -508,14 +498,28 @@ class Bed:
             for ns in namespaces:
                 shutil.rmtree(os.path.join(self.work, "fs-store", "fs", "kopia", ns))
             return
-        moto_py = os.path.join(os.path.dirname(self.a.moto), "python")
-        code = ("import boto3, sys\n"
-                "s3 = boto3.resource('s3', endpoint_url=sys.argv[1], verify=sys.argv[2], region_name='us-east-1',"
-                " aws_access_key_id=sys.argv[3], aws_secret_access_key=sys.argv[4])\n"
-                "for ns in sys.argv[5:]:\n"
-                "    s3.Bucket('bench').objects.filter(Prefix=f's3/kopia/{ns}/').delete()\n")
-        subprocess.run([moto_py, "-c", code, self.s3_url, self.s3_ca, self.s3_keys["accessKeyId"],
-                        self.s3_keys["secretAccessKey"], *namespaces], check=True)
+        # Through the S3 API (list, then delete each object), as a user would empty a prefix.
+        ctx = ssl.create_default_context(cafile=self.s3_ca)
+        host = urllib.parse.urlsplit(self.s3_url)
+        c = http.client.HTTPSConnection(host.hostname, host.port, context=ctx, timeout=120)
+        for ns in namespaces:
+            while True:
+                q = urllib.parse.urlencode({"list-type": "2", "prefix": f"s3/kopia/{ns}/", "max-keys": "1000"})
+                c.request("GET", f"/bench?{q}")
+                r = c.getresponse()
+                body = r.read()
+                if r.status != 200:
+                    raise RuntimeError(f"listing s3/kopia/{ns}/: HTTP {r.status}: {body[:200]!r}")
+                keys = [e.text for e in ET.fromstring(body).iter() if e.tag.endswith("}Key") or e.tag == "Key"]
+                if not keys:
+                    break
+                for key in keys:
+                    c.request("DELETE", "/bench/" + urllib.parse.quote(key))
+                    r = c.getresponse()
+                    r.read()
+                    if r.status not in (200, 204):
+                        raise RuntimeError(f"deleting {key}: HTTP {r.status}")
+        c.close()
 
     def open_floor(self, store):
         """Peak RSS (MiB) of `kopia repository status` on a fresh repository of `store`: what one
@@ -869,7 +873,7 @@ def main():
     p.add_argument("--velero", required=True)
     p.add_argument("--cp-bin", required=True)
     p.add_argument("--crds", required=True)
-    p.add_argument("--moto")
+    p.add_argument("--s3-server")
     p.add_argument("--stores", default="fs,s3")
     p.add_argument("--shapes", default="large,small,mixed")
     p.add_argument("--runs", type=int, default=3)
