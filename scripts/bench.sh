@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs the benchmarks and writes BENCHMARKS.md (the figures the README quotes).
 #
-#   scripts/bench.sh            full run (the documented numbers; about 4 hours on 2 CPUs, 3 of them
+#   scripts/bench.sh            full run (the documented numbers; about 5 hours on 2 CPUs, 4 of them
 #                               case 9's 4 GiB and 200,000-file volumes against Velero's data path)
 #   scripts/bench.sh --quick    small sizes and few runs, a fast check that everything works
 #   scripts/bench.sh --capture  also re-capture testdata/restic-streams/ with the installed restic

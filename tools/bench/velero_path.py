@@ -822,9 +822,10 @@ def write_report(a, bed, results, shapes, floors, agent_idle, cold_ok, started, 
         w(f"The same volumes backed up and restored by the agent (`podvolume-agent run`, its kopia {kopia_v.split()[0]} CLI "
           f"child) and by Velero's own data path (`velero pod-volume backup|restore`, what Velero 1.17+'s data-path "
           f"pods run: {velero_v}), driven by PodVolumeBackups/PodVolumeRestores on a real kube-apiserver "
-          f"(`tools/bench/velero_path.py`). {a.runs} runs per row, alternating which side goes first; "
-          f"min / median / max, ratios of medians. Every run's restore checked against the source "
-          f"(file count and size; the first run's byte for byte).")
+          f"(`tools/bench/velero_path.py`). "
+          + (f"{a.runs} runs per row, alternating which side goes first; " if a.runs > 1 else "1 run per row; ")
+          + "min / median / max, ratios of medians. Every run's restore checked against the source "
+          "(file count and size; the first run's byte for byte).")
         w()
         w("- **agent**: from creating the object to seeing it Completed (a watch on the API): the claim, "
           "the status writes and kopia's `repository connect`, `policy set`, `snapshot create|restore`. "
