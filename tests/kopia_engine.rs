@@ -795,34 +795,22 @@ async fn a_second_backup_of_the_same_source_is_incremental() {
     // diagnostic logs there as `_log_*` blobs, which Velero's data path never does. 0.22 and
     // later can be told not to (the agent does); 0.21 has no such setting.
     if kopia().version >= (0, 22, 0) {
-        let logs: Vec<String> = blob_ids(&bed.repo)
-            .into_iter()
-            .filter(|id| id.starts_with("_log"))
+        let ids: Vec<String> = bed
+            .repository_files()
+            .iter()
+            .filter_map(|(path, _, _)| blob_id(&bed.repo, path))
             .collect();
+        assert!(!ids.is_empty(), "no blobs under {}", bed.repo.display());
+        let logs: Vec<&String> = ids.iter().filter(|id| id.starts_with("_log")).collect();
         assert!(logs.is_empty(), "log blobs in the repository: {logs:?}");
     }
 }
 
-/// The blob IDs of a kopia filesystem repository: its files' paths below the root with the
+/// The blob ID of a file of a kopia filesystem repository: its path below the root with the
 /// shard separators and the `.f` suffix removed (`_/log/_2026...f` is `_log_2026...`).
-fn blob_ids(root: &Path) -> Vec<String> {
-    let mut ids = Vec::new();
-    let mut dirs = vec![root.to_path_buf()];
-    while let Some(d) = dirs.pop() {
-        for e in std::fs::read_dir(&d).unwrap() {
-            let e = e.unwrap();
-            let p = e.path();
-            if e.file_type().unwrap().is_dir() {
-                dirs.push(p);
-            } else if let Some(rel) = p.strip_prefix(root).unwrap().to_str()
-                && let Some(id) = rel.strip_suffix(".f")
-            {
-                ids.push(id.replace('/', ""));
-            }
-        }
-    }
-    assert!(!ids.is_empty(), "no blobs under {}", root.display());
-    ids
+fn blob_id(root: &Path, file: &Path) -> Option<String> {
+    let rel = file.strip_prefix(root).ok()?.to_str()?;
+    Some(rel.strip_suffix(".f")?.replace('/', ""))
 }
 
 // --- restores -----------------------------------------------------------------------------------

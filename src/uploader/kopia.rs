@@ -91,12 +91,13 @@ pub const SCRUBBED_ENV: &[&str] = &[
 ];
 
 /// kopia's own logs. The CLI writes every content it touches to a content log (about 100 MB for a
-/// backup of 200,000 small files) and, since 0.22, the same entries gzipped into the repository
-/// as `_log_` blobs (5 MB for that backup, about 8% of kopia's CPU there). Velero's data path
-/// (kopia as a library) writes neither, and the repository is Velero's: no log blobs go in it.
-/// The files under `--log-dir` (in the repository's directory on the scratch volume) stay, for
-/// whoever debugs kopia, but bounded: kopia's defaults keep 1000 MB of each kind per repository.
-/// kopia sweeps them at each command's start. 0.21 has no repository log and ignores that one.
+/// backup of 200,000 small files) and the same entries gzipped into the repository as `_log_`
+/// blobs (5 MB for that backup, about 7% of kopia's CPU there). Velero's data path (kopia as a
+/// library) writes neither, and the repository is Velero's: no log blobs go in it (from 0.22;
+/// 0.21 has no such setting and ignores the variable). The files under `--log-dir` (in the
+/// repository's directory on the scratch volume) stay, for whoever debugs kopia, but bounded:
+/// kopia's defaults keep 1000 MB of each kind per repository. kopia sweeps them at each
+/// command's start.
 const LOG_BOUNDS: &[(&str, &str)] = &[
     ("KOPIA_DISABLE_REPOSITORY_LOG", "true"),
     ("KOPIA_LOG_DIR_MAX_FILES", "100"),
