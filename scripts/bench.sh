@@ -5,6 +5,10 @@
 #                               case 9's 4 GiB and 200,000-file volumes against Velero's data path)
 #   scripts/bench.sh --quick    small sizes and few runs, a fast check that everything works
 #   scripts/bench.sh --capture  also re-capture testdata/restic-streams/ with the installed restic
+#   scripts/bench.sh --case 9 [--runs N] [--quick]
+#                               case 9 alone (every shape, both stores; N runs a row, default 3,
+#                               about 80 minutes a run at full size), its section of BENCHMARKS.md
+#                               replaced in place, the other cases kept
 #
 # Needs restic on PATH (or RESTIC=/path/to/restic), kopia (KOPIA=..., else scripts/install-kopia.sh
 # builds the pinned one), the control plane of cases 4b and 5 (scripts/install-control-plane.sh)
@@ -18,14 +22,24 @@ cd "$(dirname "$0")/.."
 
 quick=0
 capture=0
-for a in "$@"; do
-  case "$a" in
+only_case=
+case9_runs=()
+while [ $# -gt 0 ]; do
+  case "$1" in
     --quick) quick=1 ;;
     --capture) capture=1 ;;
-    -h|--help) sed -n '2,9p' "$0"; exit 0 ;;
-    *) echo "unknown argument: $a" >&2; exit 2 ;;
+    --case) only_case=$2; shift ;;
+    --runs) case9_runs=(--runs "$2"); shift ;;
+    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
+    *) echo "unknown argument: $1" >&2; exit 2 ;;
   esac
+  shift
 done
+case "$only_case" in
+  ''|9) ;;
+  *) echo "--case: only case 9 runs alone (the others take minutes together)" >&2; exit 2 ;;
+esac
+[ ${#case9_runs[@]} -eq 0 ] || [ "$only_case" = 9 ] || { echo "--runs goes with --case 9" >&2; exit 2; }
 
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$PWD/target-bench}"
 RESTIC="${RESTIC:-$(command -v restic)}"
@@ -42,6 +56,27 @@ work="$(mktemp -d "${BENCH_WORK_PARENT:-/var/tmp}/pva-bench.XXXXXX")"
 trap 'rm -rf "$work"' EXIT
 parts="$work/parts"; mkdir -p "$parts"
 "$velero_dir/velero" install --crds-only --dry-run -o yaml >"$work/velero-$velero_version-crds.yaml"
+
+if [ "$only_case" = 9 ]; then
+  [ "$(id -u)" -eq 0 ] || { echo "case 9 needs root (see scripts/bench-velero-path.sh)" >&2; exit 1; }
+  [ -f "$OUT" ] || { echo "$OUT is missing: a whole run writes it first" >&2; exit 1; }
+  KOPIA="$KOPIA" scripts/bench-velero-path.sh $quick_flag "${case9_runs[@]}" --out "$parts/9.md" >&2
+  # The section from "## 9." to the next case (or the end) replaced; the rest of the file kept.
+  python3 - "$OUT" "$parts/9.md" <<'PY'
+import sys
+out, part = sys.argv[1], sys.argv[2]
+lines = open(out).read().split("\n")
+start = next((i for i, l in enumerate(lines) if l.startswith("## 9.")), None)
+if start is None:
+    sys.exit(f"{out} has no case 9 section to replace")
+end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+new = open(part).read().rstrip("\n").split("\n")
+tail = lines[end:] if end < len(lines) else [""]
+open(out, "w").write("\n".join(lines[:start] + new + [""] + tail))
+PY
+  echo "case 9 replaced in $OUT" >&2
+  exit 0
+fi
 
 echo "building (release)..." >&2
 cargo build --release --bin podvolume-agent >&2

@@ -804,6 +804,17 @@ def table(results, shapes, stores, runs):
     return out, worst
 
 
+def machine():
+    """The machine and the code measured, for a section that may be rerun alone."""
+    cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "unknown CPU")
+    mem = next((int(l.split()[1]) for l in open("/proc/meminfo") if l.startswith("MemTotal:")), 0)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], stdout=subprocess.PIPE, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "src", "Cargo.toml"]).returncode != 0
+    return (f"{cpu}, {os.cpu_count()} cores online, {mem >> 20} GiB, {os.uname().sysname} {os.uname().release}; "
+            f"commit {commit or 'unknown'}{' (with local changes)' if dirty else ''}; "
+            f"{time.strftime('%Y-%m-%d', time.gmtime())} (UTC)")
+
+
 def write_report(a, bed, results, shapes, floors, agent_idle, cold_ok, started, done):
     """The report so far: written after every store and shape, so a run stopped early still
     leaves what it measured (and says it is partial). Not to a stream: only the whole report."""
@@ -827,6 +838,7 @@ def write_report(a, bed, results, shapes, floors, agent_idle, cold_ok, started, 
           + "min / median / max, ratios of medians. Every run's restore checked against the source "
           "(file count and size; the first run's byte for byte).")
         w()
+        w(f"- Machine: {machine()}.")
         w("- **agent**: from creating the object to seeing it Completed (a watch on the API): the claim, "
           "the status writes and kopia's `repository connect`, `policy set`, `snapshot create|restore`. "
           "CPU: the agent's own and its waited-for kopia children's. Peak RSS: agent + kopia summed, "
