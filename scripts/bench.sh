@@ -61,7 +61,8 @@ if [ "$only_case" = 9 ]; then
   [ "$(id -u)" -eq 0 ] || { echo "case 9 needs root (see scripts/bench-velero-path.sh)" >&2; exit 1; }
   [ -f "$OUT" ] || { echo "$OUT is missing: a whole run writes it first" >&2; exit 1; }
   KOPIA="$KOPIA" scripts/bench-velero-path.sh $quick_flag "${case9_runs[@]}" --out "$parts/9.md" >&2
-  # The section from "## 9." to the next case (or the end) replaced; the rest of the file kept.
+  # The generated part of the section ("## 9." to its "Largest wall ratio" line, else to the
+  # next case or the end) replaced; the rest of the file, notes written below it included, kept.
   python3 - "$OUT" "$parts/9.md" <<'PY'
 import sys
 out, part = sys.argv[1], sys.argv[2]
@@ -70,6 +71,8 @@ start = next((i for i, l in enumerate(lines) if l.startswith("## 9.")), None)
 if start is None:
     sys.exit(f"{out} has no case 9 section to replace")
 end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+last = next((i for i in range(start + 1, end) if lines[i].startswith("Largest wall ratio")), None)
+end = end if last is None else last + 1
 new = open(part).read().rstrip("\n").split("\n")
 tail = lines[end:] if end < len(lines) else [""]
 open(out, "w").write("\n".join(lines[:start] + new + [""] + tail))
