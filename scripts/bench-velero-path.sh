@@ -8,9 +8,9 @@
 #
 #   scripts/bench-velero-path.sh [--quick] [--out FILE] [--runs N] [--stores fs,s3] [--shapes large,small,mixed]
 #
-# Full: one 4 GiB file, 200,000 files of 0-16 KiB, a mixed volume; 3 runs; about 4 hours on
-# 2 CPUs (one run of the 200,000 files took 16 minutes on the filesystem and 33 on S3, of the
-# 4 GiB file 8 and 10). --quick: 512 MiB, 20,000 files, a smaller mixed volume; about 90 minutes.
+# Full: one 4 GiB file, 200,000 files of 0-16 KiB, a mixed volume; 3 runs; about 3 hours 10
+# minutes on 2 CPUs (one run of every shape on both stores took 63 minutes). --quick: 512 MiB,
+# 20,000 files, a smaller mixed volume; about 90 minutes.
 # Needs root (Velero's data path runs in a mount namespace of its own, and cold runs drop the page
 # cache). Installs what it needs (cached by version). Work files under BENCH_WORK_PARENT (default
 # /var/tmp), removed at the end unless BENCH_KEEP_WORK=1 (the agent's log is run/agent.log there;

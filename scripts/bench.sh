@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Runs the benchmarks and writes BENCHMARKS.md (the figures the README quotes).
 #
-#   scripts/bench.sh            full run (the documented numbers; about 5 hours on 2 CPUs, 4 of them
+#   scripts/bench.sh            full run (the documented numbers; about 4 hours on 2 CPUs, 3 of them
 #                               case 9's 4 GiB and 200,000-file volumes against Velero's data path)
 #   scripts/bench.sh --quick    small sizes and few runs, a fast check that everything works
 #   scripts/bench.sh --capture  also re-capture testdata/restic-streams/ with the installed restic
 #   scripts/bench.sh --case 9 [--runs N] [--quick]
 #                               case 9 alone (every shape, both stores; N runs a row, default 3,
-#                               about 80 minutes a run at full size), its section of BENCHMARKS.md
+#                               about 63 minutes a run at full size), its section of BENCHMARKS.md
 #                               replaced in place, the other cases kept
 #
 # Needs restic on PATH (or RESTIC=/path/to/restic), kopia (KOPIA=..., else scripts/install-kopia.sh
