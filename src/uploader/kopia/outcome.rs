@@ -4,15 +4,15 @@
 use super::*;
 
 /// Text kopia prints on failures, per kind (its exit code is just 1).
-pub(super) const WRONG_PASSWORD: &[&str] = &["invalid repository password"];
-pub(super) const REPOSITORY_MISSING: &[&str] = &[
+const WRONG_PASSWORD: &[&str] = &["invalid repository password"];
+const REPOSITORY_MISSING: &[&str] = &[
     "repository is not connected",
     "not connected to a repository",
     "unable to find repository",
     "repository not initialized",
     "cannot access storage path",
 ];
-pub(super) const SOURCE_MISSING: &[&str] = &["unable to get local filesystem entry"];
+const SOURCE_MISSING: &[&str] = &["unable to get local filesystem entry"];
 
 /// Classifies how a kopia run ended. `stopped`: we sent the stop signal to the running child
 /// (the runner's `stop`), not merely that a cancel was requested: a run that ended on its own
@@ -203,6 +203,6 @@ pub fn partial_message(snapshot_id: Option<&str>, failed: u64, facts: &RunFacts)
 }
 
 /// `<N> item(s) could not be read: <cause> (first: a, b and M more)`.
-pub(super) fn unreadable_items(failed: u64, facts: &RunFacts) -> String {
+fn unreadable_items(failed: u64, facts: &RunFacts) -> String {
     facts.items_summary(failed, "could not be read")
 }

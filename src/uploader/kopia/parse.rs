@@ -89,7 +89,7 @@ pub(super) fn unit_multiplier(unit: &str) -> Option<u128> {
 
 /// The snapshot manifest printed by `snapshot create --json`. Unknown fields are ignored.
 #[derive(Deserialize)]
-pub(super) struct Manifest {
+struct Manifest {
     #[serde(default)]
     id: Option<String>,
     #[serde(default)]
@@ -101,7 +101,7 @@ pub(super) struct Manifest {
 }
 
 #[derive(Deserialize)]
-pub(super) struct ManifestStats {
+struct ManifestStats {
     #[serde(rename = "cachedFiles")]
     cached_files: Option<u64>,
     #[serde(rename = "nonCachedFiles")]
@@ -109,14 +109,14 @@ pub(super) struct ManifestStats {
 }
 
 #[derive(Deserialize)]
-pub(super) struct RootEntry {
+struct RootEntry {
     #[serde(default)]
     summ: Option<DirSummary>,
 }
 
 #[derive(Deserialize, Default)]
 #[serde(default)]
-pub(super) struct DirSummary {
+struct DirSummary {
     size: u64,
     files: u64,
     #[serde(rename = "numFailed")]
@@ -125,7 +125,7 @@ pub(super) struct DirSummary {
 
 /// Phrases that end a kopia run, whatever the line starts with (current kopia prints errors with
 /// no level prefix).
-pub(super) const FATAL_PHRASES: &[&str] = &[
+const FATAL_PHRASES: &[&str] = &[
     "invalid repository password",
     "repository is not connected",
     "not connected to a repository",
@@ -206,7 +206,7 @@ impl KopiaParser {
     }
 }
 
-pub(super) fn parse_manifest(json: &[u8]) -> UploaderEvent {
+fn parse_manifest(json: &[u8]) -> UploaderEvent {
     match serde_json::from_slice::<Manifest>(json) {
         Ok(m) if m.id.is_some() || m.root_entry.is_some() => {
             let summ = m.root_entry.and_then(|r| r.summ).unwrap_or_default();
@@ -248,7 +248,7 @@ pub fn incremental_bytes(s: &RunSummary, last_bytes_read: Option<u64>) -> Option
 }
 
 /// `Error when processing "<path>": <error>`.
-pub(super) fn item_error(body: &str) -> Option<UploaderEvent> {
+fn item_error(body: &str) -> Option<UploaderEvent> {
     let rest = body.strip_prefix("Error when processing \"")?;
     let (item, message) = rest.split_once("\": ")?;
     Some(UploaderEvent::ItemError {
@@ -258,15 +258,15 @@ pub(super) fn item_error(body: &str) -> Option<UploaderEvent> {
 }
 
 /// A progress line we should have understood (so a failure to parse it is worth reporting).
-pub(super) fn looks_like_progress(body: &str) -> bool {
+fn looks_like_progress(body: &str) -> bool {
     let after_spinner = strip_spinner(body).unwrap_or(body);
     after_spinner.contains(" hashing, ") && after_spinner.contains(" hashed (")
         || body.starts_with("Processed ") && body.contains(") of ")
 }
 
-pub(super) const SPINNER: &[char] = &['|', '/', '-', '\\', '*'];
+const SPINNER: &[char] = &['|', '/', '-', '\\', '*'];
 
-pub(super) fn strip_spinner(body: &str) -> Option<&str> {
+fn strip_spinner(body: &str) -> Option<&str> {
     let mut chars = body.chars();
     let first = chars.next()?;
     if !SPINNER.contains(&first) {
@@ -277,7 +277,7 @@ pub(super) fn strip_spinner(body: &str) -> Option<&str> {
 }
 
 /// A tiny cursor over a progress line; every step returns `None` when the text does not match.
-pub(super) struct Cursor<'a>(&'a str);
+struct Cursor<'a>(&'a str);
 
 impl<'a> Cursor<'a> {
     fn lit(&mut self, s: &str) -> Option<()> {
@@ -328,7 +328,7 @@ impl<'a> Cursor<'a> {
 /// ` <spinner> <N> hashing, <N> hashed (<bytes>), <N> cached (<bytes>), uploaded <bytes>
 /// [ (<N> fatal errors)][ (<N> errors ignored)], estimated <bytes> (<P>%) <D> left`
 /// or `..., estimating...`.
-pub(super) fn backup_progress(body: &str) -> Option<ProgressSample> {
+fn backup_progress(body: &str) -> Option<ProgressSample> {
     let mut c = Cursor(strip_spinner(body).unwrap_or(body));
     c.count()?;
     c.lit(" hashing, ")?;
@@ -371,7 +371,7 @@ pub(super) fn backup_progress(body: &str) -> Option<ProgressSample> {
 
 /// `Processed <N> (<bytes>) of <M> (<bytes>)[, skipped <N> (<bytes>)][, ignored N errors]
 /// [ <rate>/s (<P>%) remaining <D>].`
-pub(super) fn restore_progress(body: &str) -> Option<ProgressSample> {
+fn restore_progress(body: &str) -> Option<ProgressSample> {
     let mut c = Cursor(body);
     c.lit("Processed ")?;
     let files_done = c.count()?;
@@ -407,7 +407,7 @@ pub(super) fn restore_progress(body: &str) -> Option<ProgressSample> {
 }
 
 /// `Restored N files, M directories and K symbolic links (<bytes>)[, skipped N (<bytes>)]...`.
-pub(super) fn restore_summary(body: &str) -> Option<RunSummary> {
+fn restore_summary(body: &str) -> Option<RunSummary> {
     let mut c = Cursor(body);
     c.lit("Restored ")?;
     let files = c.count()?;

@@ -47,7 +47,7 @@ pub(super) const LOG_BOUNDS: &[(&str, &str)] = &[
 ];
 
 /// Variables whose values are secrets: never shown by `Debug`.
-pub(super) const SECRET_ENV: &[&str] = &[
+const SECRET_ENV: &[&str] = &[
     "KOPIA_PASSWORD",
     "AWS_SECRET_ACCESS_KEY",
     "AWS_SESSION_TOKEN",
@@ -105,7 +105,7 @@ pub fn config_path(access: &RepositoryAccess) -> PathBuf {
 
 /// Reads the password file. One trailing newline (`\n` or `\r\n`) is not part of the password, as
 /// with restic's `--password-file`.
-pub(super) fn read_password(path: &Path) -> Result<OsString, Error> {
+fn read_password(path: &Path) -> Result<OsString, Error> {
     let mut bytes = std::fs::read(path).map_err(|source| Error::Io {
         what: "cannot read the kopia password file",
         path: path.to_path_buf(),
@@ -175,7 +175,7 @@ pub(super) fn base(access: &RepositoryAccess) -> Result<KopiaInvocation, Error> 
 }
 
 /// Where Go looks for the system's roots on Linux (crypto/x509), in its order.
-pub(super) const SYSTEM_ROOTS: &[&str] = &[
+const SYSTEM_ROOTS: &[&str] = &[
     "/etc/ssl/certs/ca-certificates.crt",
     "/etc/pki/tls/certs/ca-bundle.crt",
     "/etc/ssl/ca-bundle.pem",
@@ -186,7 +186,7 @@ pub(super) const SYSTEM_ROOTS: &[&str] = &[
 
 /// `<dir>/ca-bundle.pem`: the system's roots (the agent's own SSL_CERT_FILE, else the first of
 /// Go's files that exists; none is fine) followed by `ca`.
-pub(super) fn ca_bundle(dir: &Path, ca: &Path) -> Result<PathBuf, Error> {
+fn ca_bundle(dir: &Path, ca: &Path) -> Result<PathBuf, Error> {
     let io = |what: &'static str, path: &Path| {
         let path = path.to_path_buf();
         move |source| Error::Io { what, path, source }
@@ -236,7 +236,7 @@ pub enum Storage {
 
 /// A prefix as Velero's layout needs it: no leading `/`, a trailing `/` unless empty (kopia joins
 /// the prefix to its blob names as given).
-pub(super) fn dir_prefix(p: &str) -> String {
+fn dir_prefix(p: &str) -> String {
     let p = p.trim_matches('/');
     if p.is_empty() {
         String::new()
@@ -246,7 +246,7 @@ pub(super) fn dir_prefix(p: &str) -> String {
 }
 
 /// `<bucket>:/<prefix>` of restic's `azure:` and `gs:` forms.
-pub(super) fn bucket_and_prefix(rest: &str, form: &str) -> Result<(String, String), Error> {
+fn bucket_and_prefix(rest: &str, form: &str) -> Result<(String, String), Error> {
     let (bucket, prefix) = rest.split_once(':').unwrap_or((rest, ""));
     if bucket.is_empty() || bucket.contains('/') {
         return Err(Error::Invalid(format!("kopia repository: expected {form}")));
@@ -311,7 +311,7 @@ impl Storage {
 }
 
 /// The value of `name` in the access's extra environment, else in the agent's own.
-pub(super) fn env_value(access: &RepositoryAccess, name: &str) -> Option<String> {
+fn env_value(access: &RepositoryAccess, name: &str) -> Option<String> {
     access
         .extra_env
         .iter()
@@ -325,9 +325,7 @@ pub(super) fn env_value(access: &RepositoryAccess, name: &str) -> Option<String>
 /// S3 keys for kopia's variables from an AWS shared-credentials file (INI: `[profile]` sections
 /// of `key = value`), which kopia cannot read. Nothing when the keys are already in the
 /// environment or no file is named.
-pub(super) fn shared_credentials(
-    access: &RepositoryAccess,
-) -> Result<Vec<(OsString, OsString)>, Error> {
+fn shared_credentials(access: &RepositoryAccess) -> Result<Vec<(OsString, OsString)>, Error> {
     if env_value(access, "AWS_ACCESS_KEY_ID").is_some() {
         return Ok(Vec::new());
     }
@@ -373,9 +371,7 @@ pub(super) fn shared_credentials(
 /// `AZURE_ACCOUNT_SAS`, `AZURE_ENDPOINT_SUFFIX`), which the agent sets for an Azure location and
 /// a user of the one-shot CLI sets for either uploader; kopia's own names are taken as they are.
 /// kopia addresses `https://<account>.<domain>/`, restic `https://<account>.blob.<suffix>/`.
-pub(super) fn azure_credentials(
-    access: &RepositoryAccess,
-) -> Result<Vec<(OsString, OsString)>, Error> {
+fn azure_credentials(access: &RepositoryAccess) -> Result<Vec<(OsString, OsString)>, Error> {
     let either =
         |kopia: &str, restic: &str| env_value(access, kopia).or_else(|| env_value(access, restic));
     let account = either("AZURE_STORAGE_ACCOUNT", "AZURE_ACCOUNT_NAME").ok_or_else(|| {
@@ -506,12 +502,12 @@ pub fn connect(access: &RepositoryAccess) -> Result<KopiaInvocation, Error> {
 // new CA cost one retry, never a wrong result.
 
 /// The file that records what the current connection was made with.
-pub(super) fn connection_record(access: &RepositoryAccess) -> PathBuf {
+fn connection_record(access: &RepositoryAccess) -> PathBuf {
     kopia_dir(access).join("connection")
 }
 
 /// The sources whose keep-everything policy was set through the current connection.
-pub(super) fn policy_record(access: &RepositoryAccess) -> PathBuf {
+fn policy_record(access: &RepositoryAccess) -> PathBuf {
     kopia_dir(access).join("policies")
 }
 
