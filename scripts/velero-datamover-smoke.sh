@@ -313,7 +313,10 @@ truncate -s 12G "$bigdir/zeros.img"
 head -c 1000 /dev/urandom >"$bigdir/head.bin"
 big_bytes=$(bytes "$bigdir")
 du_of() { k -n "$VNS" get datauploads -l "velero.io/backup-name=$1" -o jsonpath="{.items[0].$2}" 2>/dev/null; }
-du_in_progress() { [ "$(du_of "$1" status.phase)" = InProgress ] && [ -n "$(pgrep -x kopia)" ]; }
+# The snapshot itself, not one of the short kopia commands before it (connect, policy): a pid
+# taken while only those ran would be gone a moment later.
+kopia_snapshot_pids() { pgrep -f '(^|/)kopia snapshot create' | tr '\n' ' ' || true; }
+du_in_progress() { [ "$(du_of "$1" status.phase)" = InProgress ] && [ -n "$(kopia_snapshot_pids)" ]; }
 du_ended() { case "$(du_of "$1" status.phase)" in Completed | Failed | Canceled) return 0 ;; *) return 1 ;; esac; }
 backup_ended() { case "$(k -n "$VNS" get backup "$1" -o jsonpath='{.status.phase}' 2>/dev/null)" in Completed | PartiallyFailed | Failed) return 0 ;; *) return 1 ;; esac; }
 no_kopia() { [ -z "$(pgrep -x kopia)" ]; }
@@ -321,7 +324,7 @@ no_kopia() { [ -z "$(pgrep -x kopia)" ]; }
 # Cancel: what Velero's server does on an item-operation timeout or its own restart.
 "${vel_cmd[@]}" backup create b-cancel --include-namespaces "$BIG" --snapshot-move-data >/dev/null 2>&1 || die "velero backup create b-cancel failed"
 wait_until 180 "the DataUpload of b-cancel InProgress with kopia running" du_in_progress b-cancel
-kopia_pids=$(pgrep -x kopia | tr '\n' ' ')
+kopia_pids=$(kopia_snapshot_pids)
 hold=$(k -n "$VNS" get pod "$(du_of b-cancel metadata.name)" -o json 2>/dev/null || echo '{}')
 hold_field() { python3 -c 'import json,sys; v=json.loads(sys.argv[1])
 for k in sys.argv[2].split("."): v=(v[int(k)] if isinstance(v, list) else v.get(k, {})) if v != {} else {}
@@ -347,7 +350,7 @@ check "spec.cancel: Backup b-cancel ended PartiallyFailed (got $(k -n "$VNS" get
 # Restart: the agent's pod deleted (SIGTERM) while it moves the data; the new pod runs it again.
 "${vel_cmd[@]}" backup create b-restart --include-namespaces "$BIG" --snapshot-move-data >/dev/null 2>&1 || die "velero backup create b-restart failed"
 wait_until 180 "the DataUpload of b-restart InProgress with kopia running" du_in_progress b-restart
-kopia_pids=$(pgrep -x kopia | tr '\n' ' ')
+kopia_pids=$(kopia_snapshot_pids)
 old_pod=$ds_pod
 save_agent_log
 t0=$SECONDS
