@@ -33,6 +33,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import socket
 import ssl
 import statistics
@@ -393,7 +394,7 @@ class Bed:
         sh("openssl", "x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
            "-days", "2", "-out", "server.pem", "-extfile", "server.ext")
         p = subprocess.Popen([self.a.s3_server, "-dir", os.path.join(d, "objects"), "-cert", "server.pem",
-                              "-key", "server.key", "-bucket", "bench"],
+                              "-key", "server.key", "-bucket", "bench", "-stats"],
                              cwd=d, stdout=subprocess.PIPE, stderr=open(os.path.join(d, "s3-server.log"), "w"),
                              text=True, start_new_session=True)
         self.procs.append(p)
@@ -401,6 +402,7 @@ class Bed:
         if not line.startswith("listening on "):
             raise RuntimeError(f"the S3 server did not start (see {d}/s3-server.log)")
         port = int(line.split()[2])
+        self.s3_proc = p
         url = f"https://127.0.0.1:{port}"
         self.s3_url = url
         # The server checks no signature; the keys only have to look like keys to both sides.
@@ -492,6 +494,18 @@ class Bed:
                      "resticIdentifier": "", "maintenanceFrequency": "1h"}})
         self.api.patch_status(f"/apis/velero.io/v1/namespaces/{VNS}/backuprepositories/{name}", {"phase": "Ready"})
         return ns
+
+    def store_requests(self):
+        """The S3 server's counts since the last call (connections, GETs, ranged GETs, PUTs...),
+        and resets them: what one transfer asked of the store. Empty without the S3 server."""
+        p = getattr(self, "s3_proc", None)
+        if p is None or p.poll() is not None:
+            return {}
+        os.kill(p.pid, signal.SIGUSR1)
+        line = p.stdout.readline().split()
+        if not line or line[0] != "stats":
+            raise RuntimeError(f"the S3 server answered SIGUSR1 with {' '.join(line)!r}, not its counts")
+        return {k: int(v) for k, v in (f.split("=", 1) for f in line[1:])}
 
     def drop_repositories(self, store, namespaces):
         if store == "fs":
@@ -733,24 +747,30 @@ def run_side(bed, side, store, data, expect, verify, results, key):
     home = os.path.join(bed.work, "homes", f"{side.name}-{ns}")
     os.makedirs(home)
 
+    def ready(cold):
+        drop_caches(cold)
+        bed.store_requests()  # from here on: this transfer's requests only
+
     def rec(op, m):
+        m["store"] = bed.store_requests()
         results.setdefault((key, op, side.name), []).append(m)
+        reqs = " ".join(f"{k}={v}" for k, v in m["store"].items())
         log(f"    {side.name:6} {op:20} wall {m['wall']:7.2f} s  cpu {m['cpu']:7.2f} s  "
-            f"rss {m['rss']:7.1f} MiB  read {m['read'] / 2**20:8.1f} MiB")
+            f"rss {m['rss']:7.1f} MiB  read {m['read'] / 2**20:8.1f} MiB" + (f"  S3: {reqs}" if reqs else ""))
 
     # backup, cold: nothing cached, the page cache dropped.
-    drop_caches(True)
+    ready(True)
     m, sid, pod, vol = side.backup(ns, store, data, home)
     rec("backup", m)
     # backup again, unchanged: the parent and the side's kopia cache from the first.
-    drop_caches(False)
+    ready(False)
     m, _ = side.backup_again(ns, store, pod, vol, home)
     rec("incremental", m)
     # backup, warm: a fresh repository (another namespace), the data in the page cache.
     ns2 = bed.namespace(store)
     home2 = os.path.join(bed.work, "homes", f"{side.name}-{ns2}")
     os.makedirs(home2)
-    drop_caches(False)
+    ready(False)
     m, _, _, _ = side.backup(ns2, store, data, home2)
     rec("backup-warm", m)
     for sparse in (False, True):
@@ -758,7 +778,7 @@ def run_side(bed, side, store, data, expect, verify, results, key):
         for cold in (True, False):
             if cold:
                 side.forget_cache(ns, home)
-            drop_caches(cold)
+            ready(cold)
             m, target = side.restore(ns, store, sid, sparse, home)
             rec(f"{tag}-{'cold' if cold else 'warm'}", m)
             got = tree_digest(target) if verify else tree_summary(target)
@@ -778,12 +798,22 @@ def fmt(x, nd=2):
     return f"{x:.{nd}f}"
 
 
+def requests(samples):
+    """Median GETs (ranged or not) and connections one side's transfer made to the S3 server."""
+    st = [x.get("store") or {} for x in samples]
+    if not any(st):
+        return "-"
+    gets = statistics.median(c.get("GET", 0) + c.get("GET-range", 0) for c in st)
+    conns = statistics.median(c.get("connections", 0) for c in st)
+    return f"{gets:.0f} ({conns:.0f})"
+
+
 def table(results, shapes, stores, runs):
     out = []
     out.append("| store | data | operation | agent wall s (min / med / max) | Velero wall s (min / med / max) | "
                "wall agent/Velero | CPU s agent / Velero | peak RSS MiB agent (its kopia) / Velero | RSS agent/Velero | "
-               "read MiB agent / Velero |")
-    out.append("|---|---|---|---|---|---:|---|---|---:|---|")
+               "read MiB agent / Velero | S3 GETs (connections) agent / Velero |")
+    out.append("|---|---|---|---|---|---:|---|---|---:|---|---|")
     worst = []
     for store in stores:
         for shape, desc in shapes:
@@ -800,7 +830,7 @@ def table(results, shapes, stores, runs):
                 worst.append((wr, rr, store, shape, op))
                 out.append(f"| {store} | {desc} | {opdesc} | {mm(a, 'wall')} | {mm(v, 'wall')} | {wr:.2f} | "
                            f"{fmt(med(a, 'cpu'))} / {fmt(med(v, 'cpu'))} | {med(a, 'rss'):.0f} ({med(a, 'uploader_rss'):.0f}) / {med(v, 'rss'):.0f} | "
-                           f"{rr:.2f} | {med(a, 'read') / 2**20:.0f} / {med(v, 'read') / 2**20:.0f} |")
+                           f"{rr:.2f} | {med(a, 'read') / 2**20:.0f} / {med(v, 'read') / 2**20:.0f} | {requests(a)} / {requests(v)} |")
     return out, worst
 
 
@@ -846,6 +876,9 @@ def write_report(a, bed, results, shapes, floors, agent_idle, cold_ok, started, 
         w("- **Velero**: the life of the `velero pod-volume` process (Velero's kopia library in-process) on an "
           "object already InProgress; the data-path pod's scheduling and start and Velero's node agent are "
           "not counted. CPU and bytes read: its rusage. Peak RSS: the `velero` process, sampled every 20 ms.")
+        w("- S3 GETs (connections): what the S3 server counted (`-stats`) from just before a transfer to its "
+          "end, ranged or not, and the TLS connections opened for them: a warm restore served from kopia's "
+          "content cache makes few; a new connection per read is the churn described below.")
         w("- Stores: " + "; ".join(f"*{s}*: {bed.stores[s]['what']}" for s in a.stores) +
           ". A fresh namespace, so a fresh repository (made with the kopia CLI, Velero's password, "
           "BackupRepository Ready), per side and run.")
