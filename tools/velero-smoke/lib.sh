@@ -44,8 +44,10 @@ start_group() {
   setsid "$@" </dev/null >"$log" 2>&1 &
   groups+=("$name:$!:$grace")
 }
-group_alive() { # any non-zombie process in group $1
-  ps -e -o pgid=,stat= | awk -v g="$1" '$1 == g && $2 !~ /^Z/ { found = 1 } END { exit !found }'
+# Any non-zombie process in group $1, or its leader itself: right after start_group the child may
+# not have called setsid() yet (its group is still the script's), and must not count as exited.
+group_alive() {
+  ps -e -o pid=,pgid=,stat= | awk -v g="$1" '($1 == g || $2 == g) && $3 !~ /^Z/ { found = 1 } END { exit !found }'
 }
 stopped=()
 stop_group() {
