@@ -42,12 +42,19 @@ node_started=0
 start_group() {
   local name=$1 grace=$2 log=$3; shift 3
   setsid "$@" </dev/null >"$log" 2>&1 &
-  groups+=("$name:$!:$grace")
+  local pid=$! i
+  groups+=("$name:$pid:$grace")
+  # Until the child has called setsid() its group is still the script's: group_alive would call
+  # it exited and stop_group could not signal it. Returns once the group exists (or the child
+  # is gone).
+  for ((i = 0; i < 500; i++)); do
+    [ "$(ps -o pgid= -p "$pid" 2>/dev/null | tr -d ' ')" = "$pid" ] && break
+    [ -e "/proc/$pid" ] || break
+    sleep 0.01
+  done
 }
-# Any non-zombie process in group $1, or its leader itself: right after start_group the child may
-# not have called setsid() yet (its group is still the script's), and must not count as exited.
-group_alive() {
-  ps -e -o pid=,pgid=,stat= | awk -v g="$1" '($1 == g || $2 == g) && $3 !~ /^Z/ { found = 1 } END { exit !found }'
+group_alive() { # any non-zombie process in group $1
+  ps -e -o pgid=,stat= | awk -v g="$1" '$1 == g && $2 !~ /^Z/ { found = 1 } END { exit !found }'
 }
 stopped=()
 stop_group() {
