@@ -7,6 +7,7 @@
 # tools/bench/velero_path.py.
 #
 #   scripts/bench-velero-path.sh [--quick] [--out FILE] [--runs N] [--stores fs,s3] [--shapes large,small,mixed]
+#        [--ops backup,backup-warm,incremental,restore-cold,restore-warm,restore-sparse-cold,restore-sparse-warm]
 #
 # Full: one 4 GiB file, 200,000 files of 0-16 KiB, a mixed volume; 3 runs; about 3 hours 10
 # minutes on 2 CPUs (one run of every shape on both stores took 63 minutes). --quick: 512 MiB,
@@ -14,7 +15,9 @@
 # Needs root (Velero's data path runs in a mount namespace of its own, and cold runs drop the page
 # cache). Installs what it needs (cached by version). Work files under BENCH_WORK_PARENT (default
 # /var/tmp), removed at the end unless BENCH_KEEP_WORK=1 (the agent's log is run/agent.log there;
-# BENCH_AGENT_LOG sets its RUST_LOG, default warn).
+# BENCH_AGENT_LOG sets its RUST_LOG, default warn). --ops measures some operations only (the first
+# backup always runs). Refuses to start when the work disk has too little free space (about 4x the
+# biggest shape plus kopia's cache: 22 GiB for the full 4 GiB file).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
@@ -27,8 +30,8 @@ while [ $# -gt 0 ]; do
     --quick) quick=(--quick) ;;
     --tiny) quick=(--tiny) ;;
     --out) out=$2; shift ;;
-    --runs|--stores|--shapes) extra+=("$1" "$2"); shift ;;
-    -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
+    --runs|--stores|--shapes|--ops) extra+=("$1" "$2"); shift ;;
+    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
     *) echo "unknown argument: $1" >&2; exit 2 ;;
   esac
   shift

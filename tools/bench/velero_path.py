@@ -284,6 +284,39 @@ def make_shape(name, root, sizes, seed):
     raise ValueError(name)
 
 
+def shape_bytes(name, sizes):
+    """What a shape's files hold, in bytes (allocated; small files counted at their 8 KiB mean
+    plus a 4 KiB block of slack each)."""
+    small = lambda n: n * (12 << 10)
+    if name == "large":
+        return sizes["large"]
+    if name == "small":
+        return small(sizes["small"])
+    if name == "mixed":
+        return 3 * sizes["mixed_large"] + 4 * (1 << 20) + small(sizes["mixed_small"])
+    raise ValueError(name)
+
+
+# Kopia's caches of one side at most (its content cache soft limit at Velero's default
+# cacheLimitMB 5000 is 3.2 GB, the metadata cache takes the rest).
+KOPIA_CACHE_BYTES = 5000 << 20
+
+
+def check_free_space(work, shape_sizes):
+    """Fails before anything runs when the work disk cannot hold the biggest shape's run: its
+    data, the two repositories of the side that runs (the S3 server's objects are on this disk
+    too), one restored copy and that side's kopia caches, with 2 GiB to spare. A run that fills
+    the disk fails an hour in with ENOSPC from kopia; this says so in the first second."""
+    biggest = max(shape_sizes)
+    need = 4 * biggest + min(biggest, KOPIA_CACHE_BYTES) + (2 << 30)
+    free = shutil.disk_usage(work).free
+    if free < need:
+        raise SystemExit(f"velero_path.py: {work} has {free / 2**30:.1f} GiB free; this run needs about "
+                         f"{need / 2**30:.1f} GiB (data, two repositories, a restored copy and a kopia cache "
+                         f"of its biggest shape, {biggest / 2**30:.1f} GiB). Free some, or set BENCH_WORK_PARENT "
+                         f"to a bigger disk.")
+
+
 def tree_digest(root, skip=".velero"):
     """(files, bytes, sha256 of every path and content) of a tree."""
     h = hashlib.sha256()
@@ -741,8 +774,9 @@ OPS = [
 ]
 
 
-def run_side(bed, side, store, data, expect, verify, results, key):
-    """One side's whole sequence on one shape: OPS in order. Appends samples to results."""
+def run_side(bed, side, store, data, expect, verify, results, key, ops):
+    """One side's sequence on one shape: OPS in order, those in `ops` only (the first backup
+    always runs: the others need its snapshot). Appends samples to results."""
     ns = bed.namespace(store)
     home = os.path.join(bed.work, "homes", f"{side.name}-{ns}")
     os.makedirs(home)
@@ -763,19 +797,23 @@ def run_side(bed, side, store, data, expect, verify, results, key):
     m, sid, pod, vol = side.backup(ns, store, data, home)
     rec("backup", m)
     # backup again, unchanged: the parent and the side's kopia cache from the first.
-    ready(False)
-    m, _ = side.backup_again(ns, store, pod, vol, home)
-    rec("incremental", m)
+    if "incremental" in ops:
+        ready(False)
+        m, _ = side.backup_again(ns, store, pod, vol, home)
+        rec("incremental", m)
     # backup, warm: a fresh repository (another namespace), the data in the page cache.
     ns2 = bed.namespace(store)
     home2 = os.path.join(bed.work, "homes", f"{side.name}-{ns2}")
     os.makedirs(home2)
-    ready(False)
-    m, _, _, _ = side.backup(ns2, store, data, home2)
-    rec("backup-warm", m)
+    if "backup-warm" in ops:
+        ready(False)
+        m, _, _, _ = side.backup(ns2, store, data, home2)
+        rec("backup-warm", m)
     for sparse in (False, True):
         tag = "restore-sparse" if sparse else "restore"
         for cold in (True, False):
+            if f"{tag}-{'cold' if cold else 'warm'}" not in ops:
+                continue
             if cold:
                 side.forget_cache(ns, home)
             ready(cold)
@@ -925,10 +963,16 @@ def main():
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--tiny", action="store_true", help="a check of the harness itself, not a measurement")
+    p.add_argument("--ops", default=",".join(op for op, _ in OPS),
+                   help="the operations to measure (the first backup always runs): " + ",".join(op for op, _ in OPS))
     p.add_argument("--timeout", type=float, default=3600)
     p.add_argument("--out", required=True)
     a = p.parse_args()
     a.stores = [s for s in a.stores.split(",") if s]
+    a.ops = [o for o in a.ops.split(",") if o]
+    unknown = [o for o in a.ops if o not in dict(OPS)]
+    if unknown:
+        p.error(f"unknown --ops {','.join(unknown)} (known: {','.join(op for op, _ in OPS)})")
     if a.tiny:
         sizes = {"large": 64 << 20, "small": 2000, "mixed_large": 8 << 20, "mixed_small": 500}
     elif a.quick:
@@ -936,6 +980,7 @@ def main():
     else:
         sizes = {"large": 4 << 30, "small": 200000, "mixed_large": 512 << 20, "mixed_small": 20000}
     os.makedirs(a.work, exist_ok=True)
+    check_free_space(a.work, [shape_bytes(sh, sizes) for sh in a.shapes.split(",")])
     bed = Bed(a)
     results = {}
     shapes = []
@@ -960,7 +1005,7 @@ def main():
                         order.reverse()
                     log(f"  {store} {shape} run {r + 1}/{a.runs}")
                     for side in order:
-                        run_side(bed, side, store, data, expect, r == 0, results, (store, shape))
+                        run_side(bed, side, store, data, expect, r == 0, results, (store, shape), a.ops)
                 write_report(a, bed, results, shapes, floors, agent_idle, cold_ok, started, False)
             shutil.rmtree(data)
     finally:
