@@ -60,7 +60,13 @@ parts="$work/parts"; mkdir -p "$parts"
 if [ "$only_case" = 9 ]; then
   [ "$(id -u)" -eq 0 ] || { echo "case 9 needs root (see scripts/bench-velero-path.sh)" >&2; exit 1; }
   [ -f "$OUT" ] || { echo "$OUT is missing: a whole run writes it first" >&2; exit 1; }
-  KOPIA="$KOPIA" scripts/bench-velero-path.sh $quick_flag "${case9_runs[@]}" --out "$parts/9.md" >&2
+  if ! KOPIA="$KOPIA" scripts/bench-velero-path.sh $quick_flag "${case9_runs[@]}" --out "$parts/9.md" >&2; then
+    # The report is rewritten after every store and shape: what was measured before the failure
+    # is kept beside $OUT (marked partial), not spliced in.
+    if [ -s "$parts/9.md" ]; then cp "$parts/9.md" "${OUT%.md}.case9-partial.md"
+      echo "case 9 failed; what it measured before: ${OUT%.md}.case9-partial.md" >&2; fi
+    exit 1
+  fi
   # The generated part of the section ("## 9." to its "Largest wall ratio" line, else to the
   # next case or the end) replaced; the rest of the file, notes written below it included, kept.
   python3 - "$OUT" "$parts/9.md" <<'PY'
