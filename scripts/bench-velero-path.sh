@@ -10,7 +10,7 @@
 #        [--ops backup,backup-warm,incremental,restore-cold,restore-warm,restore-sparse-cold,restore-sparse-warm]
 #
 # Full: one 4 GiB file, 200,000 files of 0-16 KiB, a mixed volume; 3 runs; about 3 hours 10
-# minutes on 2 CPUs (one run of every shape on both stores took 63 minutes). --quick: 512 MiB,
+# minutes on 2 CPUs (one run of every shape on both stores took 63 minutes, two runs 114). --quick: 512 MiB,
 # 20,000 files, a smaller mixed volume; about 90 minutes.
 # Needs root (Velero's data path runs in a mount namespace of its own, and cold runs drop the page
 # cache). Installs what it needs (cached by version). Work files under BENCH_WORK_PARENT (default

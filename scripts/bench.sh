@@ -7,7 +7,7 @@
 #   scripts/bench.sh --capture  also re-capture testdata/restic-streams/ with the installed restic
 #   scripts/bench.sh --case 9 [--runs N] [--quick]
 #                               case 9 alone (every shape, both stores; N runs a row, default 3,
-#                               about 63 minutes a run at full size), its section of BENCHMARKS.md
+#                               57-63 minutes a run at full size), its section of BENCHMARKS.md
 #                               replaced in place, the other cases kept
 #
 # Needs restic on PATH (or RESTIC=/path/to/restic), kopia (KOPIA=..., else scripts/install-kopia.sh

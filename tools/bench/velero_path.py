@@ -875,7 +875,8 @@ def table(results, shapes, stores, runs):
 
 
 def machine():
-    """The machine and the code measured, for a section that may be rerun alone."""
+    """The machine and the code measured, for a section that may be rerun alone. Called when the
+    run starts: commits made while it runs are not what it measured."""
     cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "unknown CPU")
     mem = next((int(l.split()[1]) for l in open("/proc/meminfo") if l.startswith("MemTotal:")), 0)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], stdout=subprocess.PIPE, text=True).stdout.strip()
@@ -908,7 +909,7 @@ def write_report(a, bed, results, shapes, floors, agent_idle, cold_ok, started, 
           + "min / median / max, ratios of medians. Every run's restore checked against the source "
           "(file count and size; the first run's byte for byte).")
         w()
-        w(f"- Machine: {machine()}.")
+        w(f"- Machine: {a.machine}.")
         w("- **agent**: from creating the object to seeing it Completed (a watch on the API): the claim, "
           "the status writes and kopia's `repository connect`, `policy set`, `snapshot create|restore`. "
           "CPU: the agent's own and its waited-for kopia children's. Peak RSS: agent + kopia summed, "
@@ -985,6 +986,7 @@ def main():
         sizes = {"large": 512 << 20, "small": 20000, "mixed_large": 64 << 20, "mixed_small": 5000}
     else:
         sizes = {"large": 4 << 30, "small": 200000, "mixed_large": 512 << 20, "mixed_small": 20000}
+    a.machine = machine()
     os.makedirs(a.work, exist_ok=True)
     check_free_space(a.work, [shape_bytes(sh, sizes) for sh in a.shapes.split(",")])
     bed = Bed(a)
